@@ -1,0 +1,1 @@
+"""The standalone KV-event indexer daemon (installed as kvtier.indexer)."""

@@ -1,0 +1,133 @@
+"""Block hashing: vLLM's engine hashes, recomputed, and kvtier's request keys.
+
+Two key spaces (see kvtier.ids):
+
+- ``EngineBlockHash``: what vLLM (>= 0.10, default ``sha256``) puts in its KV
+  events. Per full block: ``h = sha256(pickle((parent, tuple(tokens), extra)))``
+  with ``parent`` the previous block's 32-byte digest, or for the first block
+  ``NONE_HASH = sha256(pickle(seed))`` where ``seed`` is ``$PYTHONHASHSEED`` if
+  the engine has it set, else ``"vllm-none-hash"``. Events carry the low 64
+  bits of the digest, big-endian. ``EngineHasher`` recomputes them exactly so
+  tests and adapters can tie events back to tokens.
+- ``RequestKey``: kvtier's own key, used by the index, host tier and peer
+  fetch. xxh3-64 chained over the prefix: ``k_i = xxh3_64(k_{i-1} as u64 LE ||
+  tokens as u32 LE, seed)``, with ``k_{-1} = xxh3_64(namespace, seed)`` and the
+  namespace naming the model, LoRA and any extra keys. Fast (numpy packing),
+  deterministic across processes, and independent of engine hash settings.
+
+Only full blocks are keyed: a partial trailing block is never cached by vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from kvtier.ids import EngineBlockHash, ModelName, RequestKey
+
+DEFAULT_VLLM_NONE_HASH_SEED = "vllm-none-hash"
+_U64 = (1 << 64) - 1
+
+
+def _sha256_pickle(obj: object) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def to_external(digest: bytes) -> EngineBlockHash:
+    """The 64-bit form vLLM publishes in KV events."""
+    return EngineBlockHash(int.from_bytes(digest, "big") & _U64)
+
+
+@dataclass(frozen=True)
+class EngineHasher:
+    """Recomputes vLLM's default (sha256) prefix-cache block hashes."""
+
+    block_size: int
+    seed: str = DEFAULT_VLLM_NONE_HASH_SEED
+
+    def none_hash(self) -> bytes:
+        return _sha256_pickle(self.seed)
+
+    def digests(
+        self, tokens: Sequence[int], extra_keys: Sequence[tuple | None] | None = None
+    ) -> list[bytes]:
+        parent = self.none_hash()
+        out = []
+        for i in range(len(tokens) // self.block_size):
+            block = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
+            extra = extra_keys[i] if extra_keys else None
+            parent = _sha256_pickle((parent, block, extra))
+            out.append(parent)
+        return out
+
+    def hashes(self, tokens: Sequence[int]) -> list[EngineBlockHash]:
+        return [to_external(d) for d in self.digests(tokens)]
+
+
+@dataclass(frozen=True)
+class RequestKeyHasher:
+    """kvtier's token-chained, seeded, namespaced block keys."""
+
+    model: ModelName
+    block_size: int
+    seed: int = 0
+    lora: str | None = None
+    extra: str | None = None
+    _root: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        ns = f"kvtier/v1|model={self.model}|lora={self.lora or ''}|extra={self.extra or ''}"
+        object.__setattr__(self, "_root", xxhash.xxh3_64_intdigest(ns.encode(), self.seed))
+
+    @property
+    def root(self) -> RequestKey:
+        return RequestKey(self._root)
+
+    def chain(self, parent: RequestKey | None, block_tokens: Sequence[int]) -> RequestKey:
+        """Key of one block given its parent's key (None for the first block)."""
+        arr = np.asarray(block_tokens, dtype="<u4")
+        prev = self._root if parent is None else int(parent)
+        return RequestKey(
+            xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + arr.tobytes(), self.seed)
+        )
+
+    def keys(self, tokens: Sequence[int] | np.ndarray) -> list[RequestKey]:
+        """Keys of every full block of ``tokens``, in order."""
+        bs = self.block_size
+        n = len(tokens) // bs
+        if n == 0:
+            return []
+        arr = np.asarray(tokens[: n * bs], dtype="<u4")
+        raw = arr.tobytes()
+        step = bs * 4
+        h = xxhash.xxh3_64_intdigest
+        seed = self.seed
+        prev = self._root
+        out: list[RequestKey] = []
+        append = out.append
+        for i in range(n):
+            prev = h(prev.to_bytes(8, "little") + raw[i * step: (i + 1) * step], seed)
+            append(RequestKey(prev))
+        return out
+
+    def extend(
+        self, parent: RequestKey | None, tokens: Sequence[int]
+    ) -> list[RequestKey]:
+        """Keys for full blocks of ``tokens`` continuing after ``parent``."""
+        out = []
+        for i in range(len(tokens) // self.block_size):
+            parent = self.chain(parent, tokens[i * self.block_size: (i + 1) * self.block_size])
+            out.append(parent)
+        return out
+
+
+def token_digest(tokens: Sequence[int]) -> str:
+    """A short, stable digest of an exact token sequence (prefix proofs)."""
+    return xxhash.xxh3_128_hexdigest(np.asarray(tokens, dtype="<u4").tobytes())

@@ -1,0 +1,376 @@
+"""A local prefill/decode fleet of real vLLM servers: start, watch, stop.
+
+``LocalStack`` starts N prefill and M decode vLLM-CPU (or CUDA) servers, each
+with its own HTTP port, NIXL side channel, ZMQ KV-event PUB and replay ports,
+waits until every one answers ``/health``, keeps one log file per process,
+and tears the whole process group of each server down on ``stop()``, on
+Ctrl-C and at interpreter exit. It only spawns processes: it never imports
+vllm (vLLM runs in the child interpreter).
+
+Threading model: a stack is driven by one thread. ``stop()`` is idempotent
+and safe to call from a signal handler or ``atexit``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtier.ids import PodId, Role
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+
+# Workaround (vllm-cpu 0.32): the `vllm` console command reads its own version
+# with importlib.metadata.version("vllm") and dies with PackageNotFoundError,
+# because the distribution is named "vllm-cpu". The OpenAI server module does
+# not do that lookup, and vLLM's platform detection already falls back to
+# version("vllm-cpu") + "+cpu". So the stack launches the module directly.
+VLLM_SERVER_ARGV = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+# Workaround (vllm-cpu 0.32 on AMX CPUs): with bfloat16 the first forward step
+# of a fresh engine that has a 1-token query dies with SIGILL inside the CPU
+# attention kernel (every decode instance hits it on its first remotely
+# prefilled request). float16 avoids that code path.
+VLLM_CPU_DTYPE = "float16"
+
+
+def load_config_file(name: str) -> dict:
+    """Read a JSON file from ``configs/`` (name with or without .json)."""
+    path = CONFIG_DIR / (name if name.endswith(".json") else f"{name}.json")
+    if not path.exists():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+        raise FileNotFoundError(f"no config {path.name} in {CONFIG_DIR}; known: {known}")
+    return json.loads(path.read_text())
+
+
+class InstanceSpec(BaseModel):
+    """Everything needed to start one vLLM server."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: PodId
+    role: Role
+    model: str
+    http_port: int
+    side_channel_port: int
+    events_port: int
+    replay_port: int
+    cpu_bind: str | None = None  # e.g. "0"; None lets vLLM decide
+    kv_cache_gib: int = 1
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_transfer_config: dict | None = None
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def topic(self) -> str:
+        return f"kv@{self.name}"
+
+    def argv(self) -> list[str]:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": self.topic,
+        }
+        argv = [
+            *VLLM_SERVER_ARGV,
+            "--model", self.model,
+            "--served-model-name", Path(self.model).name, self.model,
+            "--host", "127.0.0.1",
+            "--port", str(self.http_port),
+            "--block-size", str(self.block_size),
+            "--max-model-len", str(self.max_model_len),
+            "--enable-prefix-caching",
+            "--kv-events-config", json.dumps(events),
+        ]
+        if _is_cpu_platform():
+            # torch.compile warm-up costs ~45 s per start on 2 cores and buys
+            # nothing for these tiny models.
+            argv += ["--dtype", VLLM_CPU_DTYPE, "--enforce-eager"]
+        if self.kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return argv + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_channel_port),
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_NO_USAGE_STATS="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+        )
+        if self.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        env.update(self.extra_env)
+        return env
+
+
+def _is_cpu_platform() -> bool:
+    forced = os.environ.get("KVTIER_DEVICE")
+    if forced:
+        return forced == "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10)
+        return out.returncode != 0
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+
+
+def free_ports(n: int) -> list[int]:
+    """Ask the OS for n distinct free TCP ports on 127.0.0.1."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+class StackSpec(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    prefill: int = 1
+    decode: int = 1
+    kv_transfer_config: dict | None = None
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_cache_gib: int = 1
+    base_port: int | None = None  # None: ports picked by the OS
+    extra_args: tuple[str, ...] = ()
+
+    def instances(self) -> list[InstanceSpec]:
+        total = self.prefill + self.decode
+        if total < 1:
+            raise ValueError("a stack needs at least one instance")
+        if self.base_port is None:
+            ports = free_ports(4 * total)
+        else:
+            ports = list(range(self.base_port, self.base_port + 4 * total))
+        ncpu = len(os.sched_getaffinity(0))
+        out = []
+        roles = [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
+        counters = {Role.PREFILL: 0, Role.DECODE: 0}
+        for i, role in enumerate(roles):
+            idx = counters[role]
+            counters[role] += 1
+            p = ports[4 * i: 4 * i + 4]
+            out.append(
+                InstanceSpec(
+                    name=PodId(f"{role.value}-{idx}"),
+                    role=role,
+                    model=self.model,
+                    http_port=p[0],
+                    side_channel_port=p[1],
+                    events_port=p[2],
+                    replay_port=p[3],
+                    # Spread instances over cores so P and D do not fight for one.
+                    cpu_bind=str(sorted(os.sched_getaffinity(0))[i % ncpu]),
+                    kv_cache_gib=self.kv_cache_gib,
+                    block_size=self.block_size,
+                    max_model_len=self.max_model_len,
+                    kv_transfer_config=self.kv_transfer_config,
+                    extra_args=self.extra_args,
+                )
+            )
+        return out
+
+
+@dataclass
+class RunningInstance:
+    spec: InstanceSpec
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+class StackStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalStack:
+    """Context manager: ``with LocalStack(spec, log_dir) as stack: ...``."""
+
+    spec: StackSpec
+    log_dir: Path
+    startup_timeout_s: float = 300.0
+    instances: list[RunningInstance] = field(default_factory=list)
+    _stopped: bool = False
+
+    @property
+    def prefill(self) -> list[RunningInstance]:
+        return [i for i in self.instances if i.spec.role == Role.PREFILL]
+
+    @property
+    def decode(self) -> list[RunningInstance]:
+        return [i for i in self.instances if i.spec.role == Role.DECODE]
+
+    def __enter__(self) -> "LocalStack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            for ispec in self.spec.instances():
+                self.instances.append(self._spawn(ispec))
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, ispec: InstanceSpec) -> RunningInstance:
+        log_path = self.log_dir / f"{ispec.name}.log"
+        fh = open(log_path, "ab", buffering=0)
+        fh.write(f"$ {shlex.join(ispec.argv())}\n".encode())
+        # A new session makes the server the leader of its own process group,
+        # so stop() also reaches vLLM's engine-core child processes.
+        proc = subprocess.Popen(
+            ispec.argv(), env=ispec.env(), stdout=fh, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        fh.close()
+        log.info("started %s (pid %d) on %s, log %s", ispec.name, proc.pid, ispec.url, log_path)
+        return RunningInstance(ispec, proc, log_path)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = list(self.instances)
+        while pending:
+            for inst in list(pending):
+                if not inst.alive():
+                    raise StackStartError(
+                        f"{inst.spec.name} exited with code {inst.proc.returncode} during "
+                        f"startup; last log lines from {inst.log_path}:\n{inst.log_tail()}"
+                    )
+                if _healthy(inst.url):
+                    log.info("%s ready", inst.spec.name)
+                    pending.remove(inst)
+            if time.monotonic() > deadline:
+                names = [i.spec.name for i in pending]
+                raise StackStartError(
+                    f"{names} not ready after {self.startup_timeout_s:.0f}s; "
+                    f"last log lines of {names[0]}:\n{pending[0].log_tail()}"
+                )
+            if pending:
+                time.sleep(1.0)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for inst in self.instances:
+            _signal_group(inst.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for inst in self.instances:
+            try:
+                inst.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # Kill whatever is left of the group (engine cores, NIXL helpers).
+            _signal_group(inst.proc, signal.SIGKILL)
+            try:
+                inst.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) did not exit", inst.spec.name, inst.proc.pid)
+        try:
+            atexit.unregister(self.stop)
+        except Exception:  # pragma: no cover - interpreter shutting down
+            pass
+
+    def kill(self, name: str) -> None:
+        """Hard-kill one instance (fault tests)."""
+        for inst in self.instances:
+            if inst.spec.name == name:
+                _signal_group(inst.proc, signal.SIGKILL)
+                inst.proc.wait(timeout=10)
+                return
+        raise KeyError(name)
+
+    def describe(self) -> list[dict]:
+        return [
+            {
+                "name": i.spec.name,
+                "role": i.spec.role.value,
+                "url": i.url,
+                "events": i.spec.events_endpoint,
+                "replay": i.spec.replay_endpoint,
+                "topic": i.spec.topic,
+                "nixl_side_channel": f"127.0.0.1:{i.spec.side_channel_port}",
+                "pid": i.proc.pid,
+                "log": str(i.log_path),
+            }
+            for i in self.instances
+        ]
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _healthy(url: str) -> bool:
+    # A stdlib probe keeps kvtier's core free of an HTTP client dependency.
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,1 @@
+"""The KV-aware P/D router (installed as kvtier.router)."""
