@@ -1,0 +1,395 @@
+"""ZMQ subscription to every pod's KV-event stream, with replay and gap accounting.
+
+Per pod: one SUB socket on the pod's PUB endpoint (with a socket monitor, so
+"connected" is what TCP says, not a guess) and, if the pod has a replay
+endpoint, one DEALER to vLLM's replay ROUTER. vLLM's replay protocol:
+request ``[b"", seq8]``; answer: one ``[b"", topic, seq8, payload]`` per
+buffered batch with seq >= the request, then ``[b"", b"", 0xff*8, b""]``.
+
+Sequence tracking (``PodState.last_seq``, the last batch handed to the index):
+
+- start, reconnect (monitor CONNECTED), a jump ahead in seq: replay from
+  ``last_seq + 1`` (or 0); live batches that arrive meanwhile wait in
+  ``pending`` and are merged in seq order when the replay ends.
+- what neither the replay buffer nor the live stream can supply is counted
+  in ``missing`` (batches) and ``gaps`` (occurrences); the index goes on.
+- a *live* batch with seq <= last_seq means the publisher restarted (vLLM
+  counts from 0 per process): the pod is cleared and replayed from 0.
+- frames that cannot be decoded are counted in ``malformed`` and skipped;
+  when their seq frame was readable the seq still counts as consumed.
+- a replay that is not answered within ``replay_timeout_s`` (a pod that never
+  answers) is abandoned: the DEALER is recreated (so late answers are not
+  mistaken for new ones) and the wait is counted in ``replay_timeouts``.
+
+Threading model: one I/O thread owns every ZMQ socket (pyzmq sockets are not
+thread-safe) and does the sequence bookkeeping; it hands decoded batches to
+``apply_workers`` threads, a pod always to the same worker (shard by a
+stable hash of the name), so each pod's events are applied in order and
+pods are independent. ``add_pod``/``remove_pod`` may be called from any
+thread; they are queued to the I/O thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvtier.ids import PodId
+
+from .config import PodSpec
+from .events import END_SEQ, EventBatch, MalformedFrame, decode_frames, decode_seq
+from .ingest import EventApplier, PodCounters
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 50
+_CLEAR = object()  # worker command: clear the pod (publisher restarted)
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass
+class PodState:
+    spec: PodSpec
+    model: str
+    last_seq: int = -1            # -1: nothing received yet
+    applied_seq: int = -1         # last seq the worker applied (snapshots)
+    connected: bool = False
+    ever_connected: bool = False
+    gaps: int = 0
+    missing: int = 0
+    malformed: int = 0
+    replays: int = 0
+    replay_timeouts: int = 0
+    restarts: int = 0
+    foreign_topic: int = 0
+    counters: PodCounters = field(default_factory=PodCounters)
+    removed: bool = False
+    # I/O-thread private:
+    replay_deadline: float | None = None
+    pending: list[EventBatch] = field(default_factory=list)
+
+    @property
+    def name(self) -> PodId:
+        return PodId(self.spec.name)
+
+    @property
+    def replaying(self) -> bool:
+        return self.replay_deadline is not None
+
+
+class Subscriber:
+    def __init__(self, applier: EventApplier, default_model: str, apply_workers: int = 2,
+                 replay_timeout_s: float = 3.0, max_pending: int = 100_000,
+                 ctx: zmq.Context | None = None) -> None:
+        self.applier = applier
+        self.default_model = default_model
+        self.replay_timeout_s = replay_timeout_s
+        self.max_pending = max_pending
+        self._ctx = ctx or zmq.Context()
+        self._own_ctx = ctx is None
+        self.pods: dict[str, PodState] = {}
+        self._socks: dict[str, tuple[zmq.Socket, zmq.Socket, zmq.Socket | None]] = {}
+        self._by_sock: dict[zmq.Socket, tuple[str, str]] = {}
+        self._cmds: deque = deque()
+        self._queues = [queue.Queue() for _ in range(apply_workers)]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._poller = zmq.Poller()
+
+    # -- public, any thread --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._io_loop, name="kvtier-indexer-io",
+                                          daemon=True)]
+        for i, q in enumerate(self._queues):
+            self._threads.append(threading.Thread(target=self._worker, args=(q,),
+                                                  name=f"kvtier-indexer-apply-{i}", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        for name in list(self._socks):
+            self._close(name)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def add_pod(self, spec: PodSpec, last_seq: int = -1) -> PodState:
+        """Subscribe to a pod; ``last_seq`` >= 0 resumes after a snapshot."""
+        if spec.name in self.pods:
+            raise ValueError(f"pod {spec.name!r} already subscribed")
+        st = PodState(spec=spec, model=spec.model or self.default_model,
+                      last_seq=last_seq, applied_seq=last_seq)
+        self.pods[spec.name] = st
+        self._cmds.append(("add", st))
+        return st
+
+    def remove_pod(self, name: str) -> PodState | None:
+        st = self.pods.pop(name, None)
+        if st is not None:
+            st.removed = True
+            self._cmds.append(("remove", st))
+        return st
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait until every batch received so far has been applied (tests, snapshots)."""
+        deadline = time.monotonic() + timeout
+        for q in self._queues:
+            while q.unfinished_tasks and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    # -- I/O thread ------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        while not self._stop.is_set():
+            while self._cmds:
+                op, st = self._cmds.popleft()
+                try:
+                    self._open(st) if op == "add" else self._close(st.spec.name, st)
+                except zmq.ZMQError as e:
+                    log.error("pod %s: %s failed: %s", st.spec.name, op, e)
+            try:
+                ready = dict(self._poller.poll(_POLL_MS))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            for sock in ready:
+                owner = self._by_sock.get(sock)
+                if owner is None:
+                    continue
+                name, role = owner
+                st = self.pods.get(name)
+                if st is None:
+                    continue
+                try:
+                    if role == "sub":
+                        self._on_sub(st, sock)
+                    elif role == "mon":
+                        self._on_monitor(st, sock)
+                    else:
+                        self._on_replay(st, sock)
+                except Exception:  # never let one pod kill the loop
+                    log.exception("pod %s: error handling %s socket", name, role)
+            now = time.monotonic()
+            for st in list(self.pods.values()):
+                if st.replay_deadline is not None and now > st.replay_deadline:
+                    log.warning("pod %s: replay not answered in %.1fs", st.name,
+                                self.replay_timeout_s)
+                    st.replay_timeouts += 1
+                    self._reset_dealer(st)
+                    self._finish_replay(st)
+
+    def _open(self, st: PodState) -> None:
+        name = st.spec.name
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, st.spec.topic.encode())
+        mon = sub.get_monitor_socket(_MONITOR_EVENTS)
+        sub.connect(st.spec.events)
+        dealer = self._new_dealer(st)
+        self._socks[name] = (sub, mon, dealer)
+        for s, role in ((sub, "sub"), (mon, "mon"), (dealer, "replay")):
+            if s is not None:
+                self._by_sock[s] = (name, role)
+                self._poller.register(s, zmq.POLLIN)
+        if dealer is not None:
+            # Ask right away: ZMQ queues the request until the ROUTER is reachable.
+            self._request_replay(st)
+
+    def _new_dealer(self, st: PodState) -> zmq.Socket | None:
+        if st.spec.replay is None:
+            return None
+        d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(st.spec.replay)
+        return d
+
+    def _reset_dealer(self, st: PodState) -> None:
+        sub, mon, old = self._socks[st.spec.name]
+        if old is not None:
+            self._poller.unregister(old)
+            self._by_sock.pop(old, None)
+            old.close(linger=0)
+        new = self._new_dealer(st)
+        self._socks[st.spec.name] = (sub, mon, new)
+        if new is not None:
+            self._by_sock[new] = (st.spec.name, "replay")
+            self._poller.register(new, zmq.POLLIN)
+
+    def _close(self, name: str, st: PodState | None = None) -> None:
+        socks = self._socks.pop(name, None)
+        if socks is None:
+            return
+        sub, mon, dealer = socks
+        for s in (mon, dealer):
+            if s is not None:
+                self._poller.unregister(s)
+                self._by_sock.pop(s, None)
+        self._poller.unregister(sub)
+        self._by_sock.pop(sub, None)
+        sub.disable_monitor()
+        for s in (mon, dealer, sub):
+            if s is not None:
+                s.close(linger=0)
+        if st is not None:
+            self._queue_for(name).put((st, _CLEAR))
+
+    def _request_replay(self, st: PodState) -> None:
+        sock = self._socks[st.spec.name][2]
+        if sock is None or st.replaying:
+            return
+        try:
+            sock.send_multipart([b"", (st.last_seq + 1).to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        st.replays += 1
+        st.replay_deadline = time.monotonic() + self.replay_timeout_s
+
+    def _on_monitor(self, st: PodState, mon: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                msg = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg["event"] == zmq.EVENT_CONNECTED:
+                reconnect = st.ever_connected
+                st.connected = st.ever_connected = True
+                if reconnect or st.replay_timeouts:
+                    self._request_replay(st)
+            elif msg["event"] == zmq.EVENT_DISCONNECTED:
+                st.connected = False
+
+    def _on_sub(self, st: PodState, sock: zmq.Socket) -> None:
+        for _ in range(1000):  # bounded, so one busy pod cannot starve the others
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            batch = self._decode(st, frames)
+            if batch is None:
+                continue
+            if st.replaying:
+                if len(st.pending) >= self.max_pending:
+                    st.pending.pop(0)  # becomes a counted gap when the replay ends
+                st.pending.append(batch)
+            else:
+                self._on_live(st, batch)
+
+    def _decode(self, st: PodState, frames: list[bytes]) -> EventBatch | None:
+        if st.spec.topic and len(frames) == 3 and frames[0] != st.spec.topic.encode():
+            st.foreign_topic += 1  # a topic that merely starts with ours
+            return None
+        try:
+            return decode_frames(frames)
+        except MalformedFrame as e:
+            st.malformed += 1
+            log.debug("pod %s: malformed frame: %s", st.name, e)
+            try:  # a readable seq still counts as consumed: an empty batch
+                return EventBatch(seq=decode_seq(frames[1]), ts=0.0, events=[]) \
+                    if len(frames) == 3 else None
+            except MalformedFrame:
+                return None
+
+    def _on_live(self, st: PodState, b: EventBatch) -> None:
+        if st.last_seq >= 0 and b.seq <= st.last_seq:
+            log.info("pod %s: seq went back %d -> %d: publisher restarted", st.name,
+                     st.last_seq, b.seq)
+            st.restarts += 1
+            self._queue_for(st.spec.name).put((st, _CLEAR))
+            st.last_seq = -1
+            if self._socks[st.spec.name][2] is not None:
+                st.pending = [b]
+                self._request_replay(st)
+                return
+        if b.seq == st.last_seq + 1:
+            self._hand_over(st, b)
+            return
+        if self._socks[st.spec.name][2] is not None:
+            st.gaps += 1
+            st.pending = [b]
+            self._request_replay(st)
+            return
+        self._skip_to(st, b.seq)
+        self._hand_over(st, b)
+
+    def _on_replay(self, st: PodState, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3 and frames[1] == END_SEQ.to_bytes(8, "big"):
+                self._finish_replay(st)
+                continue
+            if not st.replaying:
+                continue  # an answer to a request we gave up on
+            b = self._decode(st, frames)
+            if b is None or b.seq <= st.last_seq:
+                continue
+            if b.seq > st.last_seq + 1:
+                self._skip_to(st, b.seq)  # aged out of the pod's replay buffer
+            self._hand_over(st, b)
+
+    def _finish_replay(self, st: PodState) -> None:
+        st.replay_deadline = None
+        pending, st.pending = sorted(st.pending, key=lambda b: b.seq), []
+        for b in pending:
+            if b.seq <= st.last_seq:
+                continue
+            if b.seq > st.last_seq + 1:
+                self._skip_to(st, b.seq)
+            self._hand_over(st, b)
+
+    def _skip_to(self, st: PodState, seq: int) -> None:
+        lost = seq - st.last_seq - 1
+        if lost > 0:
+            st.gaps += 1
+            st.missing += lost
+            log.warning("pod %s: %d batch(es) before seq %d could not be recovered",
+                        st.name, lost, seq)
+
+    def _hand_over(self, st: PodState, b: EventBatch) -> None:
+        st.last_seq = b.seq
+        self._queue_for(st.spec.name).put((st, b))
+
+    def _queue_for(self, name: str) -> queue.Queue:
+        return self._queues[zlib.crc32(name.encode()) % len(self._queues)]
+
+    # -- apply workers -------------------------------------------------------------------
+
+    def _worker(self, q: queue.Queue) -> None:
+        applier = self.applier
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                st, b = item
+                if b is _CLEAR:
+                    applier.index.clear_pod(st.name)
+                    st.applied_seq = -1
+                elif not st.removed:
+                    applier.apply(st.name, st.model, b, st.counters)
+                    st.applied_seq = b.seq
+            except Exception:
+                log.exception("apply failed")
+            finally:
+                q.task_done()
+
