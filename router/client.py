@@ -1,0 +1,102 @@
+"""A small multi-turn client for the router (demo, A/B harness, tests).
+
+``Conversation`` keeps the turn history as TOKEN IDS and talks to the router's
+``/v1/completions`` with a token-list prompt and ``return_token_ids``: every
+turn's prompt is exactly ``previous prompt + generated ids + new ids``, so the
+router proves the full prefix and the decode node's KV is reused in full
+(re-tokenizing decoded text would give different ids; see store.py).
+``ChatConversation`` does the same over ``/v1/chat/completions`` with message
+history (the router then reuses the proven prefix only).
+
+Threading model: one conversation per thread; each holds its own httpx.Client.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Turn:
+    text: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict
+
+
+@dataclass
+class Conversation:
+    base_url: str
+    model: str
+    conversation_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    api_key: str | None = None
+    max_tokens: int = 64
+    timeout_s: float = 300.0
+    history: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._http = httpx.Client(base_url=self.base_url.rstrip("/"), headers=headers,
+                                  timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Conversation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def send(self, new_ids: Sequence[int], max_tokens: int | None = None,
+             **extra) -> Turn:
+        """Append ``new_ids`` to the history and run one turn."""
+        prompt = [*self.history, *new_ids]
+        body = {"model": self.model, "prompt": prompt, "temperature": 0,
+                "max_tokens": max_tokens or self.max_tokens, "return_token_ids": True,
+                "conversation_id": self.conversation_id, **extra}
+        r = self._http.post("/v1/completions", json=body)
+        r.raise_for_status()
+        out = r.json()
+        ch = out["choices"][0]
+        turn = Turn(ch["text"], prompt, list(ch.get("token_ids") or []), ch.get("finish_reason"),
+                    out.get("usage") or {})
+        self.history = [*prompt, *turn.token_ids]
+        self.turns.append(turn)
+        return turn
+
+
+@dataclass
+class ChatConversation:
+    base_url: str
+    model: str
+    conversation_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    api_key: str | None = None
+    max_tokens: int = 64
+    timeout_s: float = 300.0
+    messages: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers["x-conversation-id"] = self.conversation_id
+        self._http = httpx.Client(base_url=self.base_url.rstrip("/"), headers=headers,
+                                  timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def say(self, content: str, role: str = "user", **extra) -> str:
+        self.messages.append({"role": role, "content": content})
+        body = {"model": self.model, "messages": self.messages, "temperature": 0,
+                "max_tokens": self.max_tokens, **extra}
+        r = self._http.post("/v1/chat/completions", json=body)
+        r.raise_for_status()
+        text = r.json()["choices"][0]["message"]["content"] or ""
+        self.messages.append({"role": "assistant", "content": text})
+        return text

@@ -1,0 +1,149 @@
+"""Router configuration: parsed once, at the boundary, into frozen models.
+
+Sources: a YAML/JSON file (``kvtier router --config FILE``) or CLI flags
+(``--prefill URL --decode URL --indexer URL --port N``). Everything downstream
+takes a ``RouterConfig``; nothing reads raw dicts or flags again.
+
+Renamed keys are accepted through ``_ALIASES`` (old name -> new name) so a
+config written for an older kvtier keeps loading.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvtier.ids import PodId, Role
+
+_ALIASES = {
+    "prefill_urls": "prefill",
+    "decode_urls": "decode",
+    "indexer_url": "indexer",
+    "decoder_kv_blocks_ttl": "decode_kv_ttl_s",
+}
+
+
+class InstanceConfig(BaseModel):
+    """One vLLM server the router can send legs to."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: PodId
+    url: str
+    role: Role
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        p = urlparse(v)
+        if p.scheme not in ("http", "https") or not p.netloc:
+            raise ValueError(f"instance url must be http(s)://host:port, got {v!r}")
+        return v.rstrip("/")
+
+
+class Timeouts(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    connect_s: float = Field(2.0, gt=0)
+    # Whole prefill leg (one forward pass plus an optional D->P read).
+    prefill_s: float = Field(60.0, gt=0)
+    # Gap between two bytes from a decode leg (and the first byte).
+    decode_idle_s: float = Field(120.0, gt=0)
+    tokenize_s: float = Field(10.0, gt=0)
+    indexer_s: float = Field(0.25, gt=0)
+    health_s: float = Field(2.0, gt=0)
+
+
+class RouterConfig(BaseModel):
+    """Everything the router needs; frozen after parsing."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    instances: tuple[InstanceConfig, ...]
+    indexer: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # Bearer tokens accepted from clients; empty = no auth. The token (hashed)
+    # is the tenant: a conversation's KV is only reused for the same tenant.
+    api_keys: tuple[str, ...] = ()
+    # Engine block size (tokens). Trimming reused KV happens on block bounds.
+    block_size: int = Field(32, ge=1)
+    # The decode node's `decoder_kv_blocks_ttl`; entries expire this margin earlier
+    # on the router's own clock (vLLM exports a perf_counter of another process).
+    decode_kv_ttl_s: float = Field(480.0, gt=0)
+    ttl_margin_s: float = Field(30.0, ge=0)
+    store_max_entries: int = Field(100_000, ge=1)
+    store_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    # How a streaming client that names a conversation is served:
+    # "buffered": decode runs non-streaming (vLLM returns kv_transfer_params only
+    #   there) and the router re-emits SSE; the next turn can READ D's KV.
+    # "passthrough": decode's SSE is relayed byte for byte; no D params are
+    #   captured, the next turn relies on the prefill's own cache / peers.
+    stream_capture: Literal["buffered", "passthrough"] = "buffered"
+    min_cached_token_delta: int = Field(0, ge=0)
+    # Indexer pod namespace: model name the indexer knows; None = request's model.
+    indexer_model: str | None = None
+    health_interval_s: float = Field(2.0, gt=0)
+    eject_after_failures: int = Field(2, ge=1)
+    max_retries: int = Field(2, ge=0)
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    timeouts: Timeouts = Timeouts()
+    log_json: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases_and_shorthand(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {(_ALIASES.get(k, k)): v for k, v in data.items()}
+        insts = list(data.pop("instances", []) or [])
+        for role in ("prefill", "decode"):
+            for i, item in enumerate(data.pop(role, []) or []):
+                if isinstance(item, str):
+                    insts.append({"name": f"{role}-{i}", "url": item, "role": role})
+                else:
+                    insts.append({"role": role, **item})
+        data["instances"] = insts
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "RouterConfig":
+        names = [i.name for i in self.instances]
+        if len(set(names)) != len(names):
+            raise ValueError(f"instance names must be unique: {names}")
+        if not self.decode_instances:
+            raise ValueError("at least one decode (or both) instance is required")
+        if self.ttl_margin_s >= self.decode_kv_ttl_s:
+            raise ValueError("ttl_margin_s must be below decode_kv_ttl_s")
+        return self
+
+    @property
+    def prefill_instances(self) -> tuple[InstanceConfig, ...]:
+        return tuple(i for i in self.instances if i.role in (Role.PREFILL, Role.BOTH))
+
+    @property
+    def decode_instances(self) -> tuple[InstanceConfig, ...]:
+        return tuple(i for i in self.instances if i.role in (Role.DECODE, Role.BOTH))
+
+    @property
+    def entry_ttl_s(self) -> float:
+        return self.decode_kv_ttl_s - self.ttl_margin_s
+
+
+def load_config(path: str | Path, **overrides: Any) -> RouterConfig:
+    """Parse a YAML or JSON file (overrides win), validated once."""
+    text = Path(path).read_text()
+    if str(path).endswith(".json"):
+        raw = json.loads(text)
+    else:
+        import yaml
+
+        raw = yaml.safe_load(text) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: top level must be a mapping")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return RouterConfig.model_validate(raw)

@@ -1,0 +1,218 @@
+"""Inbound request validation and the bodies of each engine leg.
+
+The router validates only what it relies on (model, messages/prompt shape,
+stream, n, max tokens, conversation id) and passes every other field through
+to vLLM, which validates the rest and answers 4xx itself. Client-supplied
+``kv_transfer_params`` and KV-source headers are always stripped here, before
+anything else sees the request.
+
+Threading model: pure functions over immutable inputs; no shared state.
+"""
+
+from __future__ import annotations
+
+import copy
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+from kvtier.ids import ConversationId
+from kvtier.transfer_params import INBOUND_STRIP_HEADERS, INBOUND_STRIP_KEYS
+
+MAX_CONVERSATION_ID_LEN = 256
+# Options that mean nothing for a 1-token, non-streaming prefill leg (or that
+# would conflict with max_tokens=1).
+_PREFILL_DROP = (
+    "stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "echo",
+    "min_tokens", "max_completion_tokens", "return_token_ids", "prompt_logprobs",
+    "use_beam_search", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "stop", "stop_token_ids",
+    "ignore_eos", "include_stop_str_in_output", "logit_bias",
+)
+# Router-only fields never forwarded to an engine.
+_ROUTER_FIELDS = ("conversation_id",)
+
+
+class Endpoint(str, Enum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+
+
+class BadRequest(Exception):
+    """Client error; becomes an HTTP 4xx with an OpenAI-style error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": "invalid_request_error",
+                          "param": self.param, "code": self.status}}
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1, max_length=64)
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool | None = None
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, max_length=1024)
+    stream: StrictBool = False
+    stream_options: _StreamOptions | None = None
+    n: StrictInt = Field(1, ge=1, le=128)
+    max_tokens: StrictInt | None = Field(None, ge=0)
+    conversation_id: str | None = Field(None, min_length=1, max_length=MAX_CONVERSATION_ID_LEN)
+    return_token_ids: StrictBool | None = None
+    echo: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = None
+    use_beam_search: StrictBool | None = None
+
+
+class _Chat(_Common):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=0)
+
+
+class _Completion(_Common):
+    # str | token list | batch of either. Ints are token ids, validated by vLLM.
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+
+class Inbound(BaseModel):
+    """A validated, sanitized client request."""
+
+    model_config = ConfigDict(frozen=True)
+
+    endpoint: Endpoint
+    body: dict[str, Any]  # sanitized: no kv_transfer_params, no router fields
+    model: str
+    stream: bool
+    conversation: ConversationId | None
+    client_wants_token_ids: bool
+    include_usage: bool
+    # Direct: serve on one instance, no P/D split (n>1, batches, beam search,
+    # prompt logprobs, echo: these need the prompt computed where they run).
+    mode: Literal["pd", "direct"]
+    prompt_ids: tuple[int, ...] | None  # known up front (completions token prompt)
+
+
+def parse_inbound(endpoint: Endpoint, raw: Any, headers: dict[str, str]) -> Inbound:
+    """Validate a decoded JSON body; raise BadRequest (4xx) on anything unusable."""
+    if not isinstance(raw, dict):
+        raise BadRequest("request body must be a JSON object")
+    model_cls = _Chat if endpoint is Endpoint.CHAT else _Completion
+    try:
+        req = model_cls.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise BadRequest(f"invalid field {loc!r}: {first.get('msg')}", param=loc or None) from None
+    conv = req.conversation_id or headers.get("x-conversation-id") or None
+    if conv is not None and not (0 < len(conv) <= MAX_CONVERSATION_ID_LEN):
+        raise BadRequest("conversation id must be 1..256 characters", param="conversation_id")
+    body = {k: v for k, v in raw.items()
+            if k not in INBOUND_STRIP_KEYS and k not in _ROUTER_FIELDS}
+    prompt_ids: tuple[int, ...] | None = None
+    batch = False
+    if endpoint is Endpoint.COMPLETIONS:
+        p = raw["prompt"]
+        if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+            batch = len(p) != 1
+            if not batch:
+                body["prompt"] = p = p[0]
+        if isinstance(p, list) and not batch:
+            if not p:
+                raise BadRequest("prompt must not be empty", param="prompt")
+            if any(t < 0 for t in p):
+                raise BadRequest("token ids must be non-negative", param="prompt")
+            prompt_ids = tuple(p)
+    direct = bool(batch or req.n > 1 or req.use_beam_search or req.echo
+                  or req.prompt_logprobs is not None)
+    return Inbound(
+        endpoint=endpoint,
+        body=body,
+        model=req.model,
+        stream=req.stream,
+        conversation=ConversationId(conv) if conv else None,
+        client_wants_token_ids=bool(req.return_token_ids),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        mode="direct" if direct else "pd",
+        prompt_ids=prompt_ids,
+    )
+
+
+def strip_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Inbound headers safe to forward: no KV-source headers, no hop-by-hop noise."""
+    drop = set(INBOUND_STRIP_HEADERS) | {
+        "host", "content-length", "connection", "authorization", "x-conversation-id",
+        "accept-encoding", "transfer-encoding", "keep-alive", "upgrade", "te",
+    }
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
+
+
+def prefill_body(inb: Inbound, kv_params: dict[str, Any],
+                 prompt_ids: tuple[int, ...] | None) -> dict[str, Any]:
+    body = {k: v for k, v in inb.body.items() if k not in _PREFILL_DROP}
+    body["max_tokens"] = 1
+    body["stream"] = False
+    kv = dict(kv_params)
+    _attach_ids(inb, body, kv, prompt_ids)
+    body["kv_transfer_params"] = kv
+    return body
+
+
+def decode_body(inb: Inbound, kv_params: dict[str, Any] | None,
+                prompt_ids: tuple[int, ...] | None, *, stream: bool,
+                want_ids: bool) -> dict[str, Any]:
+    body = copy.copy(inb.body)
+    body["stream"] = stream
+    if not stream:
+        body.pop("stream_options", None)
+    if want_ids:
+        body["return_token_ids"] = True
+    kv = dict(kv_params) if kv_params else {}
+    _attach_ids(inb, body, kv, prompt_ids)
+    if kv:
+        body["kv_transfer_params"] = kv
+    return body
+
+
+def direct_body(inb: Inbound) -> dict[str, Any]:
+    return copy.copy(inb.body)
+
+
+def _attach_ids(inb: Inbound, body: dict, kv: dict, prompt_ids: tuple[int, ...] | None) -> None:
+    """Send the router's verified token ids so no engine re-tokenizes differently."""
+    if prompt_ids is None:
+        return
+    if inb.endpoint is Endpoint.COMPLETIONS:
+        body["prompt"] = list(prompt_ids)
+    else:
+        kv["prompt_token_ids"] = list(prompt_ids)
+
+
+def tokenize_body(inb: Inbound) -> dict[str, Any]:
+    """vLLM ``/tokenize`` body that renders exactly what the engine would."""
+    b = inb.body
+    if inb.endpoint is Endpoint.COMPLETIONS:
+        return {"model": inb.model, "prompt": b["prompt"],
+                "add_special_tokens": b.get("add_special_tokens", True)}
+    out: dict[str, Any] = {"model": inb.model, "messages": b["messages"]}
+    for k in ("add_generation_prompt", "continue_final_message", "add_special_tokens",
+              "chat_template", "chat_template_kwargs", "tools", "documents",
+              "mm_processor_kwargs"):
+        if k in b:
+            out[k] = b[k]
+    return out

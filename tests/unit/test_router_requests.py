@@ -1,0 +1,95 @@
+"""Inbound validation, stripping and leg bodies (pure logic, no servers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.router.config import RouterConfig
+from kvtier.router.requests import (
+    BadRequest, Endpoint, decode_body, parse_inbound, prefill_body, strip_headers,
+)
+from kvtier.transfer_params import INBOUND_STRIP_HEADERS, KVTransferParams
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_client_kv_params_and_conversation_id_are_stripped():
+    raw = {**CHAT, "kv_transfer_params": {"remote_host": "evil"}, "conversation_id": "c"}
+    inb = parse_inbound(Endpoint.CHAT, raw, {})
+    assert "kv_transfer_params" not in inb.body and "conversation_id" not in inb.body
+    assert inb.conversation == "c"
+    p = prefill_body(inb, {"do_remote_decode": True}, None)
+    assert p["kv_transfer_params"] == {"do_remote_decode": True}
+    assert "remote_host" not in str(decode_body(inb, None, None, stream=False, want_ids=False))
+
+
+def test_conversation_id_from_header():
+    inb = parse_inbound(Endpoint.CHAT, CHAT, {"x-conversation-id": "h1"})
+    assert inb.conversation == "h1"
+
+
+def test_kv_source_headers_are_not_forwarded():
+    hdrs = {h: "1.2.3.4:5" for h in INBOUND_STRIP_HEADERS}
+    hdrs.update({"Authorization": "Bearer k", "X-Request-Id": "r", "X-Conversation-Id": "c"})
+    out = strip_headers(hdrs)
+    assert out == {"X-Request-Id": "r"}
+
+
+@pytest.mark.parametrize("raw", [
+    [], "x", 3, None, {}, {"model": "tiny"}, {**CHAT, "messages": []},
+    {**CHAT, "messages": [{"content": "no role"}]}, {**CHAT, "stream": "yes"},
+    {**CHAT, "n": 0}, {**CHAT, "max_tokens": -1}, {**CHAT, "conversation_id": ""},
+    {**CHAT, "conversation_id": "x" * 257}, {**CHAT, "model": 7},
+])
+def test_bad_chat_requests_are_4xx(raw):
+    with pytest.raises(BadRequest) as e:
+        parse_inbound(Endpoint.CHAT, raw, {})
+    assert 400 <= e.value.status < 500
+
+
+@pytest.mark.parametrize("prompt", [[], [-1, 2], [1.5], {"a": 1}, [[1], "x"], None])
+def test_bad_completion_prompts_are_4xx(prompt):
+    with pytest.raises(BadRequest):
+        parse_inbound(Endpoint.COMPLETIONS, {"model": "tiny", "prompt": prompt}, {})
+
+
+def test_token_prompt_is_known_up_front_and_sent_verbatim():
+    inb = parse_inbound(Endpoint.COMPLETIONS, {"model": "m", "prompt": [[5, 6, 7]]}, {})
+    assert inb.prompt_ids == (5, 6, 7) and inb.mode == "pd"
+    kv = KVTransferParams.prefill_request().to_wire()
+    p = prefill_body(inb, kv, (5, 6, 7))
+    assert p["prompt"] == [5, 6, 7] and p["max_tokens"] == 1 and p["stream"] is False
+
+
+@pytest.mark.parametrize("extra", [{"n": 2}, {"prompt": ["a", "b"]}, {"echo": True},
+                                   {"prompt_logprobs": 1}, {"use_beam_search": True}])
+def test_options_needing_one_instance_go_direct(extra):
+    inb = parse_inbound(Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", **extra}, {})
+    assert inb.mode == "direct"
+
+
+def test_prefill_leg_drops_options_of_other_legs():
+    raw = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
+           "top_logprobs": 3, "min_tokens": 5, "max_completion_tokens": 50, "temperature": 0}
+    inb = parse_inbound(Endpoint.CHAT, raw, {})
+    p = prefill_body(inb, {}, (1, 2, 3))
+    for k in ("stream_options", "logprobs", "top_logprobs", "min_tokens", "max_completion_tokens"):
+        assert k not in p
+    assert p["max_tokens"] == 1 and p["temperature"] == 0
+    assert p["kv_transfer_params"]["prompt_token_ids"] == [1, 2, 3]
+    d = decode_body(inb, {"do_remote_prefill": True}, (1, 2, 3), stream=False, want_ids=True)
+    assert d["stream"] is False and "stream_options" not in d and d["return_token_ids"]
+    assert d["max_completion_tokens"] == 50 and d["logprobs"] is True
+
+
+def test_config_shorthand_and_checks():
+    c = RouterConfig.model_validate({"prefill_urls": ["http://a:1"], "decode": ["http://b:2/"]})
+    assert [i.name for i in c.instances] == ["prefill-0", "decode-0"]
+    assert c.decode_instances[0].url == "http://b:2"
+    assert c.entry_ttl_s == 450 and c.host == "127.0.0.1"
+    with pytest.raises(ValueError):
+        RouterConfig.model_validate({"prefill": ["http://a:1"]})
+    with pytest.raises(ValueError):
+        RouterConfig.model_validate({"decode": ["ftp://b"]})
+    with pytest.raises(ValueError):
+        RouterConfig.model_validate({"decode": ["http://b:1"], "unknown_key": 1})

@@ -1,0 +1,147 @@
+"""Conversation store and prefix proof (pure logic, no servers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.ids import ConversationId, PodId
+from kvtier.router.store import ConversationStore, RetainedKV, ReuseOutcome, prove_prefix
+from kvtier.transfer_params import NixlParams
+
+BS = 4
+
+
+def params(num_tokens: int) -> NixlParams:
+    nblocks = -(-num_tokens // BS)
+    return NixlParams(do_remote_decode=True, remote_block_ids=[list(range(100, 100 + nblocks))],
+                      remote_engine_id="d0", remote_request_id="r1", remote_host="127.0.0.1",
+                      remote_port=5600, remote_num_tokens=num_tokens)
+
+
+def entry(ids, conv="c1", tenant="", pod="decode-0", expires=1e18, num_tokens=None):
+    n = len(ids) if num_tokens is None else num_tokens
+    return RetainedKV.build(ConversationId(conv), tenant, PodId(pod), params(n), ids, expires)
+
+
+IDS = list(range(1, 18))  # 17 tokens: 4 full blocks + 1
+
+
+def test_full_prefix_is_reused_whole():
+    d = prove_prefix(entry(IDS), IDS + [99, 98], BS)
+    assert d.outcome is ReuseOutcome.FULL
+    assert d.params is not None and d.params.remote_num_tokens == 17
+    assert d.reused_tokens == 17
+
+
+def test_covered_stops_at_remote_num_tokens():
+    # D computed only 16 of the 17 ids (last sampled token never ran).
+    e = entry(IDS, num_tokens=16)
+    assert len(e.covered) == 16
+    d = prove_prefix(e, IDS[:16] + [5, 5], BS)
+    assert d.outcome is ReuseOutcome.FULL
+
+
+@pytest.mark.parametrize("edit_at,keep_tokens", [(13, 12), (9, 8), (7, 4), (4, 4)])
+def test_edit_in_history_trims_to_whole_blocks_before_the_edit(edit_at, keep_tokens):
+    new = list(IDS)
+    new[edit_at] = 1000
+    d = prove_prefix(entry(IDS), new, BS)
+    assert d.outcome is ReuseOutcome.TRIMMED
+    assert d.params.remote_num_tokens == keep_tokens
+    assert d.params.remote_block_ids == [list(range(100, 100 + keep_tokens // BS))]
+
+
+@pytest.mark.parametrize("edit_at", [0, 1, 3])
+def test_edit_in_first_block_drops_params(edit_at):
+    new = list(IDS)
+    new[edit_at] = 1000
+    d = prove_prefix(entry(IDS), new, BS)
+    assert d.outcome is ReuseOutcome.STALE and d.params is None
+
+
+def test_truncated_history_is_trimmed_to_the_shorter_prompt():
+    d = prove_prefix(entry(IDS), IDS[:10], BS)
+    assert d.outcome is ReuseOutcome.TRIMMED
+    assert d.params.remote_num_tokens == 8
+
+
+def test_prompt_equal_to_covered_keeps_blocks_before_last_token():
+    ids = list(range(1, 17))  # exactly 4 blocks
+    d = prove_prefix(entry(ids), ids, BS)
+    # The engine must compute the last token itself: 3 blocks are reusable.
+    assert d.outcome is ReuseOutcome.TRIMMED and d.params.remote_num_tokens == 12
+
+
+def test_retokenized_text_shares_only_prompt_part():
+    prompt, gen, retok = list(range(1, 9)), [50, 51, 52, 53, 54], [50, 5051, 52]
+    d = prove_prefix(entry(prompt + gen), prompt + retok + [7, 7, 7], BS)
+    assert d.outcome is ReuseOutcome.TRIMMED and d.params.remote_num_tokens == 8
+
+
+def test_params_without_blocks_are_never_reused():
+    e = RetainedKV.build(ConversationId("c"), "", PodId("d"), NixlParams(remote_num_tokens=8),
+                         IDS, 1e18)
+    assert prove_prefix(e, IDS + [1], BS).outcome is ReuseOutcome.STALE
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_take_is_single_use_and_tenant_scoped():
+    s = ConversationStore(10, 1 << 20)
+    s.put(entry(IDS, tenant="alice"))
+    assert s.take("bob", ConversationId("c1")) == (None, False)
+    got, expired = s.take("alice", ConversationId("c1"))
+    assert got is not None and not expired
+    assert s.take("alice", ConversationId("c1")) == (None, False)
+    assert len(s) == 0 and s.nbytes == 0
+
+
+def test_ttl_expires_on_router_clock():
+    clk = Clock()
+    s = ConversationStore(10, 1 << 20, clock=clk)
+    s.put(entry(IDS, expires=10.0))
+    clk.t = 10.0
+    assert s.take("", ConversationId("c1")) == (None, True)
+    assert s.expired == 1
+
+
+def test_lru_by_entry_count():
+    s = ConversationStore(2, 1 << 20)
+    for c in ("a", "b", "c"):
+        s.put(entry(IDS, conv=c))
+    assert s.take("", ConversationId("a"))[0] is None
+    assert s.take("", ConversationId("c"))[0] is not None
+    assert s.evicted == 1
+
+
+def test_memory_cap_evicts_oldest_and_refuses_oversized():
+    one = entry(list(range(1000)))
+    s = ConversationStore(100, 2 * one.nbytes + 10)
+    for c in ("a", "b", "c"):
+        s.put(entry(list(range(1000)), conv=c))
+    assert len(s) == 2 and s.nbytes <= s.max_bytes
+    assert s.take("", ConversationId("a"))[0] is None
+    assert not s.put(entry(list(range(10_000)), conv="huge"))
+
+
+def test_put_replaces_previous_entry_of_conversation():
+    s = ConversationStore(10, 1 << 20)
+    s.put(entry(IDS))
+    s.put(entry(IDS[:8]))
+    assert len(s) == 1
+    assert len(s.take("", ConversationId("c1"))[0].covered) == 8
+
+
+def test_discard_pod_forgets_its_entries():
+    s = ConversationStore(10, 1 << 20)
+    s.put(entry(IDS, conv="a", pod="d0"))
+    s.put(entry(IDS, conv="b", pod="d1"))
+    assert s.discard_pod(PodId("d0")) == 1
+    assert s.take("", ConversationId("a"))[0] is None
+    assert s.take("", ConversationId("b"))[0] is not None
