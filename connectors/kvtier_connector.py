@@ -16,6 +16,7 @@ is single-threaded apart from the peer server, see tier_scheduler.py.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from kvtier.hashing import RequestKeyHasher
 from kvtier.host_tier import HostTier
 from kvtier.ids import ModelName
 from kvtier.tier_config import HostTierConfig
+from kvtier.tier_events import TierEventPublisher
 
 from .tier_scheduler import TierScheduler
 from .tier_worker import LoadOp, StoreOp, TierWorker
@@ -107,7 +109,8 @@ class KVTierConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
-        self.cfg = HostTierConfig.from_extra_config(ktc.kv_connector_extra_config)
+        self.cfg = HostTierConfig.from_extra_config(ktc.kv_connector_extra_config).resolved(
+            dict(os.environ))
         block_size = self.cfg.block_size or vllm_config.cache_config.block_size
         if block_size != vllm_config.cache_config.block_size:
             raise ValueError(
@@ -123,6 +126,11 @@ class KVTierConnector(KVConnectorBase_V1):
             tier = HostTier(num_slots, self.geometry.slot_bytes, lease_s=self.cfg.lease_s)
             hasher = RequestKeyHasher(self.model, block_size, seed=self.cfg.hash_seed)
             self.sched = TierScheduler(tier, hasher, block_size, self.cfg.offload_prompt_only)
+            self.events = None
+            if self.cfg.events_endpoint:
+                self.events = TierEventPublisher(
+                    self.cfg.events_endpoint, self.cfg.replay_endpoint, self.cfg.events_topic,
+                    self.cfg.events_buffer_steps)
         else:
             self.worker = TierWorker(pool_tag, num_slots, self.geometry.slot_bytes,
                                      self.geometry.num_blocks, self.geometry.layer_names)
@@ -168,6 +176,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.sched is not None and self.events is not None:
+            self.events.close()
 
     # -- scheduler role ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request",
@@ -186,12 +196,21 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.sched is not None
         loads, stores = self.sched.take_ops()
+        self._publish()
         return TierMetadata(loads, stores)
+
+    def _publish(self) -> None:
+        assert self.sched is not None
+        with self.sched.lock:
+            events = self.sched.tier.take_events()
+        if events and self.events is not None:
+            self.events.publish(events, self.geometry.block_size)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         meta = connector_output.kv_connector_worker_meta
         if self.sched is not None and isinstance(meta, TierWorkerMetadata):
             self.sched.worker_done(meta.stores_done, meta.loads_done)
+            self._publish()
 
     def request_finished(self, request: "Request",
                          block_ids: Any) -> tuple[bool, dict[str, Any] | None]:

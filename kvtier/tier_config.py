@@ -39,6 +39,12 @@ class HostTierConfig(BaseModel):
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
     events_topic: str = "kvtier-cpu"
+    # Per-instance ports when one config file serves several instances: the
+    # port is VLLM_NIXL_SIDE_CHANNEL_PORT + offset (each instance of a stack
+    # has its own side channel port). Explicit endpoints/ports win.
+    events_port_offset: int | None = None
+    replay_port_offset: int | None = None
+    p2p_port_offset: int | None = None
     events_buffer_steps: int = Field(default=10000, ge=1)
     # Peer fetch: where this instance serves its tier to peers; None: not served.
     p2p_host: str = "127.0.0.1"
@@ -61,6 +67,21 @@ class HostTierConfig(BaseModel):
         for k, v in data.items():
             out[ALIASES.get(k, k)] = v
         return out
+
+    def resolved(self, env: dict[str, str]) -> "HostTierConfig":
+        """Fill offset-based ports from the instance's NIXL side channel port."""
+        base = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+        if base is None:
+            return self
+        b = int(base)
+        upd: dict[str, Any] = {}
+        if self.events_endpoint is None and self.events_port_offset is not None:
+            upd["events_endpoint"] = f"tcp://*:{b + self.events_port_offset}"
+        if self.replay_endpoint is None and self.replay_port_offset is not None:
+            upd["replay_endpoint"] = f"tcp://*:{b + self.replay_port_offset}"
+        if self.p2p_port is None and self.p2p_port_offset is not None:
+            upd["p2p_port"] = b + self.p2p_port_offset
+        return self.model_copy(update=upd) if upd else self
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "HostTierConfig":

@@ -1,0 +1,64 @@
+"""The host tier's KV events on real ZMQ, decoded with vLLM's own structs."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvtier.host_tier import BlockMeta, HostTier
+from kvtier.ids import EngineBlockHash, RequestKey
+from kvtier.stack import free_ports
+from kvtier.tier_events import END_SEQ, TierEventPublisher
+
+pytestmark = pytest.mark.integration
+
+
+def test_publish_and_replay_vllm_format():
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    pub_port, replay_port = free_ports(2)
+    pub = TierEventPublisher(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}",
+                             "kv@p0-cpu")
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{pub_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@p0-cpu")
+    time.sleep(0.3)  # slow joiner
+    try:
+        tier = HostTier(1, 64)
+        metas = [BlockMeta(token_ids=tuple(range(4)), engine_hash=EngineBlockHash(111))]
+        job = tier.prepare_store([RequestKey(7)], metas)
+        tier.complete_store(job.job_id, True)
+        job = tier.prepare_store([RequestKey(8)])  # evicts 7 (REMOVED), no engine hash
+        tier.complete_store(job.job_id, True)
+        tier.clear()
+        pub.publish(tier.take_events(), block_size=4)
+
+        assert sub.poll(5000)
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv@p0-cpu" and int.from_bytes(seq, "big") == 0
+        batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+        kinds = [type(e) for e in batch.events]
+        assert kinds == [BlockStored, BlockRemoved, BlockStored, AllBlocksCleared]
+        stored = batch.events[0]
+        assert stored.block_hashes == [111] and stored.medium == "CPU"
+        assert stored.token_ids == [0, 1, 2, 3] and stored.block_size == 4
+        assert batch.events[1].block_hashes == [111]
+        assert batch.events[2].block_hashes == [8]  # RequestKey when no engine hash
+
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert dealer.poll(5000)
+        _, rseq, rpayload = dealer.recv_multipart()
+        assert int.from_bytes(rseq, "big") == 0 and rpayload == payload
+        assert dealer.poll(5000)
+        _, end, _ = dealer.recv_multipart()
+        assert int.from_bytes(end, "big") == END_SEQ
+        dealer.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        pub.close()
