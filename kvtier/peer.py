@@ -1,0 +1,257 @@
+"""Peer fetch: a consumer pulls prefix blocks from another instance's host tier.
+
+Side channel: ZMQ REQ/REP, msgspec messages. NIXL moves the bytes.
+
+    consumer                          source (PeerServer)
+    Hello(identity)          ->       compare model/block size/hash seed/layout
+                             <-       Welcome(agent metadata, pool base) | Refused(reason)
+    Lookup(keys)             ->       n = READY prefix; pin keys[:n] (lease)
+                             <-       Held(lease, slots)
+    NIXL READ remote slots -> local slots (prepare_store / complete_store locally)
+    Release(lease, ok)       ->       unpin (bytes counted as peer_out)
+                             <-       Ack
+
+Anything that goes wrong (refused handshake, unreachable or dead source,
+keys evicted before the pin, transfer error) makes ``PeerClient.fetch``
+return 0 blocks and a reason; the engine recomputes, the reason is counted
+in ``TierStats.peer_fallbacks``. A source that pins and then never hears
+back frees the pin when the lease expires (``HostTier.expire_leases``).
+
+Threading model: ``PeerServer`` runs one daemon thread owning its REP
+socket; every tier call it makes holds the lock shared with the tier's other
+user (the connector's scheduler half). ``PeerClient`` is used by one thread
+(the scheduler), which holds that same lock around local tier calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from kvtier.host_tier import BlockMeta, HostTier
+from kvtier.ids import RequestKey
+from kvtier.nixl_transport import NixlPool, TransferError
+
+log = logging.getLogger(__name__)
+
+
+class Identity(msgspec.Struct, frozen=True):
+    """What must match for two tiers to exchange blocks."""
+
+    model: str
+    block_size: int
+    hash_seed: int
+    layout: str
+    slot_bytes: int
+
+    def mismatch(self, other: "Identity") -> str | None:
+        for f in ("model", "block_size", "hash_seed", "layout", "slot_bytes"):
+            if getattr(self, f) != getattr(other, f):
+                return f"{f} differs: {getattr(self, f)!r} != {getattr(other, f)!r}"
+        return None
+
+
+class Hello(msgspec.Struct, tag=True):
+    identity: Identity
+
+
+class Welcome(msgspec.Struct, tag=True):
+    agent_metadata: bytes
+    pool_base: int
+
+
+class Refused(msgspec.Struct, tag=True):
+    reason: str
+
+
+class Lookup(msgspec.Struct, tag=True):
+    keys: list[int]
+
+
+class Held(msgspec.Struct, tag=True):
+    lease: int  # 0: nothing pinned
+    slots: list[int]
+
+
+class Release(msgspec.Struct, tag=True):
+    lease: int
+    success: bool
+
+
+class Ack(msgspec.Struct, tag=True):
+    pass
+
+
+Request = Hello | Lookup | Release
+Reply = Welcome | Refused | Held | Ack
+
+_enc = msgspec.msgpack.Encoder()
+_dec_req = msgspec.msgpack.Decoder(Request)
+_dec_rep = msgspec.msgpack.Decoder(Reply)
+
+
+class PeerServer:
+    """Serves this instance's host tier to peers on ``tcp://host:port``."""
+
+    def __init__(self, tier: HostTier, lock: threading.RLock, nixl: NixlPool,
+                 identity: Identity, host: str, port: int):
+        self.tier, self.lock, self.nixl, self.identity = tier, lock, nixl, identity
+        self.endpoint = f"tcp://{host}:{port}"
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="kvtier-peer-server", daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise self._error
+
+    def handle(self, req: Request) -> Reply:
+        if isinstance(req, Hello):
+            why = self.identity.mismatch(req.identity)
+            if why is not None:
+                return Refused(why)
+            return Welcome(self.nixl.metadata(), self.nixl.pool.base_address)
+        if isinstance(req, Lookup):
+            keys = [RequestKey(k) for k in req.keys]
+            with self.lock:
+                n = self.tier.lookup_prefix(keys)
+                job = self.tier.prepare_load(keys[:n]) if n else None
+            if job is None:
+                return Held(0, [])
+            return Held(job.job_id, list(job.slots))
+        if isinstance(req, Release):
+            with self.lock:
+                self.tier.complete_load(req.lease, req.success, path="peer_out")
+            return Ack()
+        raise TypeError(type(req))
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        try:
+            sock = ctx.socket(zmq.REP)
+            sock.bind(self.endpoint)
+        except Exception as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                raw = sock.recv()
+                try:
+                    reply: Reply = self.handle(_dec_req.decode(raw))
+                except Exception as e:  # a bad message must not kill the server
+                    log.warning("peer server: bad request: %s", e)
+                    reply = Refused(f"bad request: {e}")
+                sock.send(_enc.encode(reply))
+        finally:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    blocks: int  # leading keys now READY in the local tier (fetched or already there)
+    fetched: int  # blocks moved over NIXL
+    reason: str | None = None  # why fewer than asked, if any
+
+
+@dataclass
+class PeerClient:
+    tier: HostTier
+    lock: threading.RLock
+    nixl: NixlPool
+    identity: Identity
+    timeout_s: float = 5.0
+    _peers: dict[str, tuple[str, int]] = field(default_factory=dict)  # endpoint -> agent, base
+
+    def _call(self, endpoint: str, msg: Request) -> Reply:
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send(_enc.encode(msg))
+            if not sock.poll(int(self.timeout_s * 1000)):
+                raise TimeoutError(f"peer {endpoint} did not answer in {self.timeout_s}s")
+            return _dec_rep.decode(sock.recv())
+        finally:
+            sock.close()
+
+    def _fallback(self, reason: str, blocks: int = 0) -> FetchResult:
+        with self.lock:
+            self.tier.stats.record_fallback(reason.split(":")[0])
+        return FetchResult(blocks, 0, reason)
+
+    def fetch(self, host: str, port: int, keys: Sequence[RequestKey],
+              metas: Sequence[BlockMeta] | None = None) -> FetchResult:
+        """Make ``keys`` (a prefix chain) READY locally, pulling what is missing.
+
+        ``metas`` (token ids, hashes) label the fetched blocks in tier events."""
+        with self.lock:
+            local = self.tier.lookup_prefix(keys)
+        if local == len(keys):
+            return FetchResult(local, 0)
+        want = list(keys[local:])
+        endpoint = f"tcp://{host}:{port}"
+        try:
+            peer = self._peers.get(endpoint)
+            if peer is None:
+                rep = self._call(endpoint, Hello(self.identity))
+                if isinstance(rep, Refused):
+                    return self._fallback(f"refused: {rep.reason}", local)
+                assert isinstance(rep, Welcome)
+                peer = (self.nixl.add_peer(rep.agent_metadata), rep.pool_base)
+                self._peers[endpoint] = peer
+            held = self._call(endpoint, Lookup([int(k) for k in want]))
+        except (TimeoutError, zmq.ZMQError) as e:
+            self._peers.pop(endpoint, None)
+            return self._fallback(f"unreachable: {e}", local)
+        assert isinstance(held, Held)
+        if not held.slots:
+            return self._fallback("evicted: source holds none of the blocks", local)
+        n = len(held.slots)
+        ok = False
+        moved = 0
+        with self.lock:
+            job = self.tier.prepare_store(
+                want[:n], list(metas[local:local + n]) if metas is not None else None)
+        try:
+            if job is None or not job.keys:
+                return self._fallback("local tier full", local)
+            # prepare_store may place a prefix only and skips keys that are
+            # present: map each placed key back to the source's slot.
+            src = {k: held.slots[i] for i, k in enumerate(want[:n])}
+            remote = [src[k] for k in job.keys]
+            moved = self.nixl.read(peer[0], peer[1], remote, job.slots, self.timeout_s)
+            ok = True
+        except TransferError as e:
+            self._peers.pop(endpoint, None)
+            return self._fallback(f"transfer_failed: {e}", local)
+        finally:
+            if job is not None:
+                with self.lock:
+                    self.tier.complete_store(job.job_id, ok)
+                    if ok:
+                        self.tier.stats.record_move("peer_in", moved)
+            try:
+                self._call(endpoint, Release(held.lease, ok))
+            except (TimeoutError, zmq.ZMQError):
+                pass  # the source's lease expires on its own
+        with self.lock:
+            got = self.tier.lookup_prefix(keys)
+        reason = None if got == len(keys) else "evicted: source held a shorter prefix"
+        if reason:
+            with self.lock:
+                self.tier.stats.record_fallback("partial")
+        return FetchResult(got, len(job.keys), reason)

@@ -1,0 +1,129 @@
+"""Peer fetch between two processes: real ZMQ side channel, real NIXL READ of pool slots."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier.host_pool import HostPool
+from kvtier.host_tier import HostTier
+from kvtier.ids import RequestKey
+from kvtier.stack import free_ports
+
+pytestmark = pytest.mark.integration
+
+SLOT = 4096
+KEYS = [RequestKey(1000 + i) for i in range(8)]
+
+
+def ident(block_size=32):
+    from kvtier.peer import Identity
+
+    return Identity("tiny", block_size, 0, "test-layout", SLOT)
+
+
+def _pattern(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8)
+
+
+def _source(port: int, conn) -> None:
+    from kvtier.nixl_transport import NixlPool
+    from kvtier.peer import PeerServer
+
+    pool = HostPool(16, SLOT)
+    tier = HostTier(16, SLOT)
+    lock = threading.RLock()
+    job = tier.prepare_store(KEYS)
+    for i, slot in enumerate(job.slots):
+        pool.array[slot] = _pattern(i)
+    tier.complete_store(job.job_id, True)
+    server = PeerServer(tier, lock, NixlPool(pool, "source"), ident(), "127.0.0.1", port)
+    conn.send("ready")
+    while True:
+        cmd = conn.recv()
+        if cmd == "evict":
+            with lock:
+                tier.evict(KEYS[4:])
+            conn.send("ok")
+        elif cmd == "stats":
+            with lock:
+                conn.send(tier.stats.snapshot())
+        else:
+            break
+    server.close()
+
+
+@pytest.fixture
+def source():
+    port = free_ports(1)[0]
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_source, args=(port, b), daemon=True)
+    proc.start()
+    assert a.poll(60) and a.recv() == "ready"
+    yield port, a, proc
+    if proc.is_alive():
+        a.send("stop")
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def _consumer(name="consumer", block_size=32):
+    from kvtier.nixl_transport import NixlPool
+    from kvtier.peer import PeerClient
+
+    pool = HostPool(16, SLOT)
+    tier = HostTier(16, SLOT)
+    client = PeerClient(tier, threading.RLock(), NixlPool(pool, name), ident(block_size),
+                        timeout_s=3.0)
+    return pool, tier, client
+
+
+def test_fetch_reads_slots_bytes_identical_and_unpins(source):
+    port, ctl, _ = source
+    pool, tier, client = _consumer()
+    res = client.fetch("127.0.0.1", port, KEYS)
+    assert (res.blocks, res.fetched, res.reason) == (8, 8, None)
+    for i, k in enumerate(KEYS):
+        assert np.array_equal(pool.array[tier.slot_of(k)], _pattern(i))
+    ctl.send("stats")
+    snap = ctl.recv()
+    assert snap["bytes_moved"]["peer_out"] == 8 * SLOT
+    assert tier.stats.bytes_moved["peer_in"] == 8 * SLOT
+    # Already local: no second transfer.
+    again = client.fetch("127.0.0.1", port, KEYS)
+    assert (again.blocks, again.fetched) == (8, 0)
+
+
+def test_source_evicted_before_fetch_gives_partial_and_counts(source):
+    port, ctl, _ = source
+    ctl.send("evict")
+    assert ctl.recv() == "ok"
+    pool, tier, client = _consumer("consumer2")
+    res = client.fetch("127.0.0.1", port, KEYS)
+    assert res.blocks == 4 and res.reason is not None
+    assert tier.stats.peer_fallbacks == {"partial": 1}
+    for i, k in enumerate(KEYS[:4]):
+        assert np.array_equal(pool.array[tier.slot_of(k)], _pattern(i))
+
+
+def test_mismatched_block_size_is_refused(source):
+    port, _, _ = source
+    _, tier, client = _consumer("consumer3", block_size=64)
+    res = client.fetch("127.0.0.1", port, KEYS)
+    assert res.blocks == 0 and "block_size" in res.reason
+    assert tier.stats.peer_fallbacks == {"refused": 1}
+
+
+def test_dead_source_falls_back(source):
+    port, _, proc = source
+    proc.kill()
+    proc.join(10)
+    _, tier, client = _consumer("consumer4")
+    res = client.fetch("127.0.0.1", port, KEYS)
+    assert res.blocks == 0
+    assert tier.stats.peer_fallbacks == {"unreachable": 1}
