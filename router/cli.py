@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         h.setFormatter(JsonFormatter())
         root = logging.getLogger()
         root.handlers[:] = [h]
+    # httpx logs every upstream request at INFO: one line per leg is noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_app(cfg)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
     return 0

@@ -55,7 +55,7 @@ class Timeouts(BaseModel):
     decode_idle_s: float = Field(120.0, gt=0)
     tokenize_s: float = Field(10.0, gt=0)
     indexer_s: float = Field(0.25, gt=0)
-    health_s: float = Field(2.0, gt=0)
+    health_s: float = Field(5.0, gt=0)
 
 
 class RouterConfig(BaseModel):
@@ -88,7 +88,7 @@ class RouterConfig(BaseModel):
     # Indexer pod namespace: model name the indexer knows; None = request's model.
     indexer_model: str | None = None
     health_interval_s: float = Field(2.0, gt=0)
-    eject_after_failures: int = Field(2, ge=1)
+    eject_after_failures: int = Field(3, ge=1)
     max_retries: int = Field(2, ge=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     timeouts: Timeouts = Timeouts()

@@ -173,6 +173,7 @@ class Router:
         tried: set[PodId] = set()
         pre: dict | None = None
         p_inst: InstanceState | None = None
+        status_failures = 0
         for _ in range(self.cfg.max_retries + 1):
             p_inst = self.pool.choose(self.pool.prefill, matched, exclude=tried)
             if p_inst is None:
@@ -206,8 +207,12 @@ class Router:
                 reuse, decision = None, ReuseDecision(ReuseOutcome.STALE, None, 0)
             except UpstreamError as e:
                 self.metrics.retries.labels("prefill", "elsewhere").inc()
-                if e.kind != "connect":
-                    # The leg may have consumed (or died holding) D's blocks.
+                # A 5xx from a failed D->P read (e.g. a NIXL handshake that timed
+                # out under load) leaves D's blocks pinned: retry them once. Any
+                # other failure may have consumed them: recompute instead.
+                if e.kind == "status" and status_failures == 0:
+                    status_failures += 1
+                elif e.kind != "connect":
                     self._drop_reuse("rejected", reuse)
                     reuse = None
                 if e.kind in ("connect", "timeout"):
@@ -233,12 +238,15 @@ class Router:
             capture = False
         upstream_stream = inb.stream and not capture
         tried: set[PodId] = set()
+        timed_out = False
         for attempt in range(self.cfg.max_retries + 1):
             d = self.pool.choose(self.pool.decode, exclude=tried)
             if d is None:
                 break
-            # After a failed attempt P's blocks may be gone: later attempts recompute.
-            params = p_params if attempt == 0 else None
+            # P keeps the prompt's blocks until a decode reads them (or its lease
+            # ends): after a refused/5xx read they are still there, so the first
+            # retry reuses them; after that the decode recomputes the prompt.
+            params = p_params if attempt <= 1 and not timed_out else None
             body = decode_body(inb, params, ids, stream=upstream_stream, want_ids=capture)
             info["decode"] = d.name
             try:
@@ -248,6 +256,7 @@ class Router:
                                              self.cfg.timeouts.decode_idle_s)
             except UpstreamError as e:
                 self.metrics.retries.labels("decode", "elsewhere").inc()
+                timed_out = timed_out or e.kind in ("timeout", "protocol")
                 if e.kind in ("connect", "timeout"):
                     tried.add(d.name)
                 continue

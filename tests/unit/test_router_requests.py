@@ -93,3 +93,22 @@ def test_config_shorthand_and_checks():
         RouterConfig.model_validate({"decode": ["ftp://b"]})
     with pytest.raises(ValueError):
         RouterConfig.model_validate({"decode": ["http://b:1"], "unknown_key": 1})
+
+
+def test_shipped_router_config_loads_and_cli_flags_override(tmp_path):
+    import argparse
+
+    from kvtier.router.cli import config_from_args, register
+    from kvtier.router.config import load_config
+    from kvtier.stack import CONFIG_DIR
+
+    cfg = load_config(CONFIG_DIR / "router.yaml")
+    assert [i.name for i in cfg.prefill_instances] == ["prefill-0"]
+    assert cfg.indexer == "http://127.0.0.1:8300" and cfg.entry_ttl_s == 450
+    ap = argparse.ArgumentParser()
+    register(ap.add_subparsers())
+    args = ap.parse_args(["router", "--config", str(CONFIG_DIR / "router.yaml"), "--port", "9001"])
+    assert config_from_args(args).port == 9001
+    args = ap.parse_args(["router", "--prefill", "http://a:1", "--decode", "http://b:2"])
+    c = config_from_args(args)
+    assert c.port == 8000 and c.host == "127.0.0.1" and c.indexer is None
