@@ -29,7 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.hashing import RequestKeyHasher
+from kvtier.host_pool import HostPool
 from kvtier.host_tier import HostTier
+from kvtier.transfer_params import KVTransferParams
 from kvtier.ids import ModelName
 from kvtier.tier_config import HostTierConfig
 from kvtier.tier_events import TierEventPublisher
@@ -126,6 +128,9 @@ class KVTierConnector(KVConnectorBase_V1):
             tier = HostTier(num_slots, self.geometry.slot_bytes, lease_s=self.cfg.lease_s)
             hasher = RequestKeyHasher(self.model, block_size, seed=self.cfg.hash_seed)
             self.sched = TierScheduler(tier, hasher, block_size, self.cfg.offload_prompt_only)
+            self.peer_server = self.nixl = self.pool = None
+            if self.cfg.p2p_port is not None:
+                self._start_peer(pool_tag, num_slots)
             self.events = None
             if self.cfg.events_endpoint:
                 self.events = TierEventPublisher(
@@ -136,6 +141,21 @@ class KVTierConnector(KVConnectorBase_V1):
                                      self.geometry.num_blocks, self.geometry.layer_names)
         log.info("KVTierConnector %s: %d slots x %d B, model %s, layout %s", role.name,
                  num_slots, self.geometry.slot_bytes, self.model, self.geometry.layout)
+
+    def _start_peer(self, pool_tag: str, num_slots: int) -> None:
+        from kvtier.nixl_transport import NixlPool
+        from kvtier.peer import Identity, PeerClient, PeerServer
+
+        assert self.sched is not None and self.cfg.p2p_port is not None
+        g = self.geometry
+        ident = Identity(self.model, g.block_size, self.cfg.hash_seed, g.layout, g.slot_bytes)
+        self.pool = HostPool.shared(pool_tag, num_slots, g.slot_bytes)
+        self.nixl = NixlPool(self.pool, f"kvtier-{pool_tag}")
+        self.peer_server = PeerServer(self.sched.tier, self.sched.lock, self.nixl, ident,
+                                      self.cfg.p2p_host, self.cfg.p2p_port)
+        self.sched.peer = PeerClient(self.sched.tier, self.sched.lock, self.nixl, ident,
+                                     self.cfg.peer_timeout_s)
+        self.sched.min_delta = self.cfg.min_cached_token_delta
 
     # -- worker role -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -176,13 +196,20 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
-        if self.sched is not None and self.events is not None:
-            self.events.close()
+        if self.sched is not None:
+            if self.events is not None:
+                self.events.close()
+            if self.peer_server is not None:
+                self.peer_server.close()
 
     # -- scheduler role ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.sched is not None
+        params = KVTransferParams.from_wire(request.kv_transfer_params)
+        if params is not None and params.remote_kv_source is not None:
+            self.sched.pull_from_peer(params.remote_kv_source, request.all_token_ids,
+                                      num_computed_tokens, request.cache_salt)
         n = self.sched.match(request.request_id, request.all_token_ids, num_computed_tokens,
                              request.cache_salt)
         return n, False

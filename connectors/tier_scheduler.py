@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from kvtier.hashing import RequestKeyHasher, to_external
 from kvtier.host_tier import BlockMeta, HostTier, LoadJob
 from kvtier.ids import EngineBlockHash, RequestKey
+from kvtier.peer import PeerClient
+from kvtier.transfer_params import RemoteKVSource
 
 from .tier_worker import LoadOp, StoreOp
 
@@ -59,6 +61,8 @@ class TierScheduler:
     _loads: list[LoadOp] = field(default_factory=list)
     _stores: list[StoreOp] = field(default_factory=list)
     _salted: dict[str, RequestKeyHasher] = field(default_factory=dict)
+    peer: PeerClient | None = None
+    min_delta: int = 1
 
     def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[RequestKey]:
         """RequestKeys of the full blocks; a request's ``cache_salt`` is part
@@ -77,6 +81,39 @@ class TierScheduler:
         # block that contains the last token.
         n = (len(token_ids) - 1) // self.block_size
         return self.keys(token_ids[: n * self.block_size], salt) if n > 0 else []
+
+    def pull_from_peer(self, source: RemoteKVSource, token_ids: Sequence[int],
+                       num_computed: int, salt: str | None = None) -> None:
+        """Bring the prefix a peer's host tier holds into the local tier.
+
+        Synchronous (blocks the scheduler for the transfer; milliseconds on
+        one host). Gated by ``min_cached_token_delta``; refused when the
+        router's source description names a different block size / seed /
+        model. Failures fall back to recompute and are counted.
+        """
+        if self.peer is None:
+            return
+        ident = self.peer.identity
+        for f, mine in (("block_size", ident.block_size), ("hash_seed", ident.hash_seed),
+                        ("model", ident.model)):
+            theirs = getattr(source, f)
+            if theirs is not None and theirs != mine:
+                with self.lock:
+                    self.tier.stats.record_fallback("refused")
+                return
+        keys = self.loadable_keys(token_ids, salt)
+        keys = keys[: source.num_tokens // self.block_size]
+        with self.lock:
+            local = max(self.tier.lookup_prefix(keys), num_computed // self.block_size)
+        if (len(keys) - local) * self.block_size < max(1, self.min_delta):
+            return
+        bs = self.block_size
+        metas = [BlockMeta(token_ids=tuple(token_ids[i * bs:(i + 1) * bs]),
+                           parent_key=keys[i - 1] if i else None) for i in range(len(keys))]
+        res = self.peer.fetch(source.host, source.port, keys, metas)
+        if res.reason:
+            log.info("kvtier peer fetch from %s: %d/%d blocks (%s)", source.pod, res.blocks,
+                     len(keys), res.reason)
 
     def match(self, req_id: str, token_ids: Sequence[int], num_computed: int,
               salt: str | None = None) -> int:

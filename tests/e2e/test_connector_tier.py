@@ -5,6 +5,14 @@
     tokens of turn 1 + new tokens) loads turn 1's prompt AND generated tokens
     from the host tier; greedy outputs equal a reference computed with a
     unique ``cache_salt`` (which disables every cache for that request).
+(b) conversation turn 2 sent to a *different* instance pulls turn 1's prompt
+    and generated tokens from the first instance's host tier over NIXL
+    (named in ``kv_transfer_params.remote_kv_source``); greedy output equals
+    the reference and the external-hit metric counts exactly the pulled
+    tokens. A source described with a wrong block size is refused: the
+    request is recomputed, still correct, and no external hit is counted.
+(events) the first instance's tier published BlockStored events with
+    ``medium: "CPU"`` and token ids, readable through its replay socket.
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ def _gen(client, url, model, prompt, n):
 
 @pytest.fixture(scope="module")
 def host_stack(stack_pool, tiny_model):
-    spec = StackSpec(model=tiny_model, prefill=1, decode=0,
-                     kv_transfer_config=load_config_file("kvtier-host"))
+    # One spec for the whole module (2 instances with peer fetch and tier
+    # events on), so the pooled stack starts once.
+    spec = StackSpec(model=tiny_model, prefill=2, decode=0,
+                     kv_transfer_config=load_config_file("kvtier-peer"))
     return stack_pool.get(spec)
 
 
@@ -69,3 +79,62 @@ def test_host_tier_serves_prompt_and_generated_tokens(host_stack):
         held = (len(prompt) + len(out1) - 1) // BS * BS
         assert held > len(prompt)
         assert hits2 - hits1 == held
+
+
+def _peer_port(inst):
+    return inst.spec.side_channel_port + 1000  # configs/kvtier-peer.json p2p_port_offset
+
+
+def test_turn2_on_other_instance_pulls_from_peer_host_tier(host_stack):
+    a, b = host_stack.instances[0], host_stack.instances[1]
+    model = "tiny"
+    rng = random.Random(11)
+    prompt = [rng.randrange(10, 4000) for _ in range(12 * BS + 3)]
+    with httpx.Client(timeout=120) as c:
+        out1 = _gen(c, a.url, model, prompt, 40)  # turn 1 on A: stored in A's tier
+        held = (len(prompt) + len(out1) - 1) // BS * BS
+        turn2 = prompt + out1 + [rng.randrange(10, 4000) for _ in range(20)]
+        ref2 = _ref(c, b.url, model, turn2, 16)
+
+        # Fault first: a source described with another block size is refused.
+        bad = {"remote_kv_source": {"pod": a.spec.name, "host": "127.0.0.1",
+                                    "port": _peer_port(a), "num_tokens": held,
+                                    "block_size": 64}}
+        h0 = metric(c, b.url, "vllm:external_prefix_cache_hits_total")
+        out_bad = complete(c, b.url, model, turn2, 16, bad)["choices"][0]["token_ids"]
+        h1 = metric(c, b.url, "vllm:external_prefix_cache_hits_total")
+        assert out_bad == ref2 and h1 == h0
+
+        reset_prefix_cache(c, b.url)
+        src = {"remote_kv_source": {"pod": a.spec.name, "host": "127.0.0.1",
+                                    "port": _peer_port(a), "num_tokens": held,
+                                    "block_size": BS}}
+        out2 = complete(c, b.url, model, turn2, 16, src)["choices"][0]["token_ids"]
+        h2 = metric(c, b.url, "vllm:external_prefix_cache_hits_total")
+        assert out2 == ref2
+        assert held > len(prompt)  # generated tokens are part of what was pulled
+        assert h2 - h1 == held
+
+
+def test_tier_events_replay_cpu_blocks(host_stack):
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    a = host_stack.instances[0]
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{a.spec.side_channel_port + 1002}")
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    stored = []
+    try:
+        while dealer.poll(10000):
+            _, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big") == (1 << 64) - 1:
+                break
+            batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+            stored += [e for e in batch.events if isinstance(e, BlockStored)]
+    finally:
+        dealer.close(linger=0)
+    assert stored, "instance 0 published no tier events"
+    assert all(e.medium == "CPU" and len(e.token_ids) == BS for e in stored)
