@@ -32,9 +32,6 @@ class HostTierConfig(BaseModel):
     cpu_bytes_to_use: int = Field(default=256 << 20, gt=0)
     block_size: int | None = Field(default=None, ge=1)  # None: the engine's block size
     offload_prompt_only: bool = False
-    # Store blocks as soon as they fill (prefill chunks, decode) instead of at
-    # request end. At-finish stores are cheaper; eager ones survive aborts.
-    store_on_finish_only: bool = True
     # KV events of the host tier (vLLM wire format, medium "CPU"); None: off.
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
