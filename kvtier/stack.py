@@ -71,6 +71,12 @@ class InstanceSpec(BaseModel):
     side_channel_port: int
     events_port: int
     replay_port: int
+    # kvtier's host tier (KVTierConnector): its own KV-event PUB + replay and
+    # the peer-fetch side channel. Exported as KVTIER_* env vars; unused when
+    # the instance runs without the connector.
+    tier_events_port: int
+    tier_replay_port: int
+    tier_p2p_port: int
     cpu_bind: str | None = None  # e.g. "0"; None lets vLLM decide
     kv_cache_gib: int = 1
     block_size: int = 32
@@ -135,6 +141,12 @@ class InstanceSpec(BaseModel):
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )
+        env.update(
+            KVTIER_TIER_EVENTS_PORT=str(self.tier_events_port),
+            KVTIER_TIER_REPLAY_PORT=str(self.tier_replay_port),
+            KVTIER_P2P_PORT=str(self.tier_p2p_port),
+            KVTIER_POD_NAME=self.name,
+        )
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         env.update(self.extra_env)
@@ -167,6 +179,9 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+PORTS_PER_INSTANCE = 7
+
+
 class StackSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -185,9 +200,9 @@ class StackSpec(BaseModel):
         if total < 1:
             raise ValueError("a stack needs at least one instance")
         if self.base_port is None:
-            ports = free_ports(4 * total)
+            ports = free_ports(PORTS_PER_INSTANCE * total)
         else:
-            ports = list(range(self.base_port, self.base_port + 4 * total))
+            ports = list(range(self.base_port, self.base_port + PORTS_PER_INSTANCE * total))
         ncpu = len(os.sched_getaffinity(0))
         out = []
         roles = [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
@@ -195,7 +210,7 @@ class StackSpec(BaseModel):
         for i, role in enumerate(roles):
             idx = counters[role]
             counters[role] += 1
-            p = ports[4 * i: 4 * i + 4]
+            p = ports[PORTS_PER_INSTANCE * i: PORTS_PER_INSTANCE * (i + 1)]
             out.append(
                 InstanceSpec(
                     name=PodId(f"{role.value}-{idx}"),
@@ -205,6 +220,9 @@ class StackSpec(BaseModel):
                     side_channel_port=p[1],
                     events_port=p[2],
                     replay_port=p[3],
+                    tier_events_port=p[4],
+                    tier_replay_port=p[5],
+                    tier_p2p_port=p[6],
                     # Spread instances over cores so P and D do not fight for one.
                     cpu_bind=str(sorted(os.sched_getaffinity(0))[i % ncpu]),
                     kv_cache_gib=self.kv_cache_gib,
@@ -356,6 +374,9 @@ class LocalStack:
                 "replay": i.spec.replay_endpoint,
                 "topic": i.spec.topic,
                 "nixl_side_channel": f"127.0.0.1:{i.spec.side_channel_port}",
+                "tier_events": f"tcp://127.0.0.1:{i.spec.tier_events_port}",
+                "tier_replay": f"tcp://127.0.0.1:{i.spec.tier_replay_port}",
+                "p2p": f"127.0.0.1:{i.spec.tier_p2p_port}",
                 "pid": i.proc.pid,
                 "log": str(i.log_path),
             }
