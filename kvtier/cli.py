@@ -13,12 +13,12 @@ import importlib
 import logging
 import sys
 
-# (module, required): modules whose subcommands make up `kvtier`.
+# Modules whose subcommands make up `kvtier`.
 SUBCOMMAND_MODULES = (
     "kvtier.stack_cli",      # kvtier stack up, kvtier demo
     "kvtier.indexer.cli",    # kvtier indexer
     "kvtier.router.cli",     # kvtier router
-    "kvtier.ab.cli",         # kvtier ab, kvtier calibrate
+    "kvtier.router.ab_cli",  # kvtier ab, kvtier calibrate, kvtier demo
 )
 
 

@@ -1,0 +1,1 @@
+"""Retention strategies, cost model, traces, simulator and reports for `kvtier ab`."""
