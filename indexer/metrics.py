@@ -58,7 +58,7 @@ class IndexerMetrics:
         dropped = CounterMetricFamily(P + "events_dropped", "Blocks or events not indexed",
                                       labels=["pod", "reason"])
         simple = {
-            "gaps": ("Sequence gaps that could not be fully replayed", "gaps"),
+            "gaps": ("Sequence discontinuities seen (recovered by replay or not)", "gaps"),
             "missing_batches": ("Event batches lost for good", "missing"),
             "malformed_frames": ("Frames that could not be decoded", "malformed"),
             "replays": ("Replay requests sent", "replays"),

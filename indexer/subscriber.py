@@ -11,8 +11,9 @@ Sequence tracking (``PodState.last_seq``, the last batch handed to the index):
 - start, reconnect (monitor CONNECTED), a jump ahead in seq: replay from
   ``last_seq + 1`` (or 0); live batches that arrive meanwhile wait in
   ``pending`` and are merged in seq order when the replay ends.
-- what neither the replay buffer nor the live stream can supply is counted
-  in ``missing`` (batches) and ``gaps`` (occurrences); the index goes on.
+- ``gaps`` counts discontinuities seen (a jump ahead, or a replay that starts
+  later than asked because the pod's buffer wrapped), recovered or not;
+  ``missing`` counts the batches nobody could supply. The index goes on.
 - a *live* batch with seq <= last_seq means the publisher restarted (vLLM
   counts from 0 per process): the pod is cleared and replayed from 0.
 - frames that cannot be decoded are counted in ``malformed`` and skipped;
@@ -73,6 +74,7 @@ class PodState:
     removed: bool = False
     # I/O-thread private:
     replay_deadline: float | None = None
+    gap_open: bool = False        # a detected gap is being replayed (counted once)
     pending: list[EventBatch] = field(default_factory=list)
 
     @property
@@ -321,6 +323,7 @@ class Subscriber:
             return
         if self._socks[st.spec.name][2] is not None:
             st.gaps += 1
+            st.gap_open = True
             st.pending = [b]
             self._request_replay(st)
             return
@@ -356,11 +359,13 @@ class Subscriber:
             if b.seq > st.last_seq + 1:
                 self._skip_to(st, b.seq)
             self._hand_over(st, b)
+        st.gap_open = False
 
     def _skip_to(self, st: PodState, seq: int) -> None:
         lost = seq - st.last_seq - 1
         if lost > 0:
-            st.gaps += 1
+            if not st.gap_open:
+                st.gaps += 1
             st.missing += lost
             log.warning("pod %s: %d batch(es) before seq %d could not be recovered",
                         st.name, lost, seq)
