@@ -1,0 +1,185 @@
+"""What one A/B run records, and the metrics derived from it.
+
+The live runner (``kvtier.router.ab_runner``) and the simulator
+(``kvtier.ab.simulator``) both emit these records, so the report and the
+simulator's error are computed by one piece of code.
+
+Per turn (``TurnRecord``): prompt/reused/computed tokens, the reuse path the
+router chose (``dp_read``: D->P read of the previous turn's KV on the decode
+node; ``p2p``: peer host tier; ``local``: the prefill's own cache; ``none``),
+TTFT, end-to-end latency and the KV transfer time.
+
+Over time (``MemorySample``): device blocks retained for conversations between
+turns and host-tier bytes held. Integrals are sample-and-hold (left Riemann
+sums): a value holds from its sample until the next one, and the last sample
+holds until ``meta["t_end"]`` when that is known.
+
+Threading model: plain values; derived metrics are pure functions.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+REUSE_PATHS = ("dp_read", "p2p", "local", "none")
+
+# Context-length buckets (prompt tokens, upper bounds) for TTFT medians.
+DEFAULT_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class TurnRecord(msgspec.Struct):
+    strategy: str
+    conversation_id: str
+    turn: int
+    prompt_tokens: int
+    reused_tokens: int           # tokens whose KV came from elsewhere or the local cache
+    reuse_path: str              # one of REUSE_PATHS
+    computed_tokens: int         # prompt tokens the prefill computed
+    ttft_s: float
+    e2e_s: float
+    transfer_s: float = 0.0      # KV read time inside the prefill (0 for none/local)
+    t_start: float = 0.0         # seconds since the run started
+    outcome: str = ""            # router's reuse decision: full|trimmed|stale|expired|none
+    response_tokens: int = 0
+    ok: bool = True
+    error: str = ""
+
+
+class MemorySample(msgspec.Struct):
+    strategy: str
+    t: float                      # seconds since the run started
+    device_blocks_retained: int
+    host_bytes_held: int
+
+
+class RunResult(msgspec.Struct):
+    strategy: str
+    turns: list[TurnRecord] = msgspec.field(default_factory=list)
+    memory: list[MemorySample] = msgspec.field(default_factory=list)
+    meta: dict = msgspec.field(default_factory=dict)
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def ok_turns(self) -> list[TurnRecord]:
+        return [t for t in self.turns if t.ok]
+
+    @property
+    def follow_ups(self) -> list[TurnRecord]:
+        """Turns after a conversation's first: the ones reuse can help."""
+        return [t for t in self.ok_turns if t.turn > 0]
+
+    def device_block_seconds(self) -> float:
+        return _integrate([(s.t, float(s.device_blocks_retained)) for s in self.memory],
+                          self.meta.get("t_end"))
+
+    def host_gb_seconds(self) -> float:
+        return _integrate([(s.t, s.host_bytes_held / 1e9) for s in self.memory],
+                          self.meta.get("t_end"))
+
+    def reuse_rate(self) -> float:
+        """Share of follow-up turns' prompt tokens that were not recomputed."""
+        fu = self.follow_ups
+        total = sum(t.prompt_tokens for t in fu)
+        return sum(t.reused_tokens for t in fu) / total if total else 0.0
+
+    def hit_rate(self) -> float:
+        """Share of follow-up turns that reused anything."""
+        fu = self.follow_ups
+        return sum(1 for t in fu if t.reuse_path != "none") / len(fu) if fu else 0.0
+
+    def expiry_rate(self) -> float:
+        """Share of follow-up turns whose retained KV had expired when they came."""
+        fu = self.follow_ups
+        return sum(1 for t in fu if t.outcome == "expired") / len(fu) if fu else 0.0
+
+    def reuse_by_path(self) -> dict[str, int]:
+        """Reused tokens per path (all turns)."""
+        out = dict.fromkeys(REUSE_PATHS, 0)
+        for t in self.ok_turns:
+            out[t.reuse_path] = out.get(t.reuse_path, 0) + t.reused_tokens
+        return out
+
+    def turns_by_path(self) -> dict[str, int]:
+        out = dict.fromkeys(REUSE_PATHS, 0)
+        for t in self.ok_turns:
+            out[t.reuse_path] = out.get(t.reuse_path, 0) + 1
+        return out
+
+    def ttft_by_bucket(self, buckets: Sequence[int] = DEFAULT_BUCKETS) -> dict[int, float]:
+        """Median TTFT per context bucket (prompt tokens <= bound), non-empty buckets only."""
+        groups: dict[int, list[float]] = {}
+        for t in self.ok_turns:
+            groups.setdefault(bucket_of(t.prompt_tokens, buckets), []).append(t.ttft_s)
+        return {b: statistics.median(v) for b, v in sorted(groups.items())}
+
+    def ttft_at_longest(self, top_fraction: float = 0.1) -> float:
+        """Median TTFT over the longest-context turns (top ``top_fraction``, at least one)."""
+        ts = sorted(self.ok_turns, key=lambda t: t.prompt_tokens)
+        if not ts:
+            return float("nan")
+        n = max(1, round(len(ts) * top_fraction))
+        return statistics.median(t.ttft_s for t in ts[-n:])
+
+    def summary(self) -> dict:
+        ok = self.ok_turns
+        ttft = [t.ttft_s for t in ok]
+        e2e = [t.e2e_s for t in ok]
+        return {
+            "strategy": self.strategy,
+            "turns": len(self.turns),
+            "errors": len(self.turns) - len(ok),
+            "ttft_p50_s": _q(ttft, 0.5),
+            "ttft_p90_s": _q(ttft, 0.9),
+            "ttft_longest_s": self.ttft_at_longest(),
+            "e2e_p50_s": _q(e2e, 0.5),
+            "prompt_tokens": sum(t.prompt_tokens for t in ok),
+            "computed_tokens": sum(t.computed_tokens for t in ok),
+            "reused_tokens": sum(t.reused_tokens for t in ok),
+            "transfer_s": sum(t.transfer_s for t in ok),
+            "reuse_rate": self.reuse_rate(),
+            "hit_rate": self.hit_rate(),
+            "expiry_rate": self.expiry_rate(),
+            "device_block_s": self.device_block_seconds(),
+            "host_gb_s": self.host_gb_seconds(),
+            "reuse_by_path": self.reuse_by_path(),
+            "turns_by_path": self.turns_by_path(),
+        }
+
+
+def bucket_of(tokens: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
+    for b in buckets:
+        if tokens <= b:
+            return b
+    return buckets[-1] if tokens <= buckets[-1] else tokens
+
+
+def _q(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    # nearest-rank on a sorted list: deterministic and exact for small runs
+    i = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
+    return s[i]
+
+
+def _integrate(points: Iterable[tuple[float, float]], t_end: float | None) -> float:
+    pts = sorted(points)
+    if not pts:
+        return 0.0
+    total = 0.0
+    for (t0, v0), (t1, _) in zip(pts, pts[1:]):
+        total += v0 * (t1 - t0)
+    if t_end is not None and t_end > pts[-1][0]:
+        total += pts[-1][1] * (t_end - pts[-1][0])
+    return total
+
+
+def encode(results: Sequence[RunResult]) -> bytes:
+    return msgspec.json.encode(list(results))
+
+
+def decode(data: bytes) -> list[RunResult]:
+    return msgspec.json.decode(data, type=list[RunResult])

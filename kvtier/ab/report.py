@@ -1,0 +1,315 @@
+"""The A/B report: JSON, a Markdown table and PNG plots from ``RunResult``s.
+
+``write_report(results, out_dir, meta, simulated=...)`` writes
+
+- ``report.json``: every record, each strategy's summary, the run's metadata
+  and (when given) the simulator's predictions and their error;
+- ``report.md``: machine, model, trace, commit, how things were measured, the
+  summary table, TTFT per context bucket, the simulator's error;
+- ``ttft_vs_context.png``, ``prefill_split.png``, ``memory_over_time.png``,
+  ``reuse_by_path.png``.
+
+Every number comes from the records handed in; nothing here is a constant of
+a particular run. ``environment_meta()`` collects the machine and commit.
+
+Threading model: pure functions (matplotlib with the non-interactive Agg
+backend); call from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from .records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult
+
+PLOTS = ("ttft_vs_context.png", "prefill_split.png", "memory_over_time.png",
+         "reuse_by_path.png")
+
+
+def environment_meta(repo: Path | None = None) -> dict:
+    """Machine (platform, CPU count, memory) and the git commit of ``repo``."""
+    repo = repo or Path(__file__).resolve().parents[2]
+    meta = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(), "processor": platform.processor() or platform.machine()}
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+        meta["memory_gib"] = round(kb / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    meta["git_commit"] = _git(repo, "rev-parse", "HEAD")
+    dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
+    meta["git_dirty"] = bool(dirty) if dirty is not None else None
+    return meta
+
+
+def _git(repo: Path, *args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+# ---------------------------------------------------------------- simulator error ----
+def simulation_error(measured: Sequence[RunResult], simulated: Sequence[RunResult]) -> dict:
+    """Per strategy: how far the simulator's predictions are from the measured run.
+
+    - ``ttft_mape``: mean |sim - meas| / meas over turns matched by
+      (conversation, turn);
+    - ``ttft_p50_rel_err``: relative error of the median TTFT;
+    - ``reuse_rate_abs_err``: |sim - meas| of the reuse rate;
+    - ``device_block_s_rel_err`` / ``host_gb_s_rel_err``.
+    """
+    sim = {r.strategy: r for r in simulated}
+    out: dict[str, dict] = {}
+    for m in measured:
+        s = sim.get(m.strategy)
+        if s is None:
+            continue
+        st = {(t.conversation_id, t.turn): t for t in s.ok_turns}
+        errs = [abs(st[k].ttft_s - t.ttft_s) / t.ttft_s
+                for t in m.ok_turns
+                if (k := (t.conversation_id, t.turn)) in st and t.ttft_s > 0]
+        ms, ss = m.summary(), s.summary()
+        out[m.strategy] = {
+            "matched_turns": len(errs),
+            "ttft_mape": statistics.fmean(errs) if errs else float("nan"),
+            "ttft_p50_rel_err": _rel(ss["ttft_p50_s"], ms["ttft_p50_s"]),
+            "reuse_rate_abs_err": abs(ss["reuse_rate"] - ms["reuse_rate"]),
+            "device_block_s_rel_err": _rel(ss["device_block_s"], ms["device_block_s"]),
+            "host_gb_s_rel_err": _rel(ss["host_gb_s"], ms["host_gb_s"]),
+        }
+    return out
+
+
+def _rel(pred: float, meas: float) -> float:
+    if meas == 0 or math.isnan(meas) or math.isnan(pred):
+        return 0.0 if pred == meas else float("nan")
+    return abs(pred - meas) / abs(meas)
+
+
+# ---------------------------------------------------------------- markdown ------------
+def _fmt(v, unit: str = "") -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "–"
+        if unit == "ms":
+            return f"{v * 1e3:.1f}"
+        if unit == "%":
+            return f"{v * 100:.1f}%"
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+SUMMARY_COLUMNS = (
+    ("strategy", "strategy", ""), ("turns", "turns", ""), ("errors", "errors", ""),
+    ("TTFT p50 ms", "ttft_p50_s", "ms"), ("TTFT p90 ms", "ttft_p90_s", "ms"),
+    ("TTFT longest ctx ms", "ttft_longest_s", "ms"), ("e2e p50 ms", "e2e_p50_s", "ms"),
+    ("computed tok", "computed_tokens", ""), ("reuse rate", "reuse_rate", "%"),
+    ("hit rate", "hit_rate", "%"), ("expiry rate", "expiry_rate", "%"),
+    ("device block·s", "device_block_s", ""), ("host GB·s", "host_gb_s", ""),
+)
+
+
+def summary_table(results: Sequence[RunResult]) -> str:
+    head = "| " + " | ".join(c[0] for c in SUMMARY_COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in SUMMARY_COLUMNS) + "|"
+    rows = []
+    for r in results:
+        s = r.summary()
+        rows.append("| " + " | ".join(_fmt(s[k], u) for _, k, u in SUMMARY_COLUMNS) + " |")
+    return "\n".join([head, sep, *rows])
+
+
+def _bucket_table(results: Sequence[RunResult]) -> str:
+    per = {r.strategy: r.ttft_by_bucket(DEFAULT_BUCKETS) for r in results}
+    buckets = sorted({b for v in per.values() for b in v})
+    if not buckets:
+        return "(no turns)"
+    head = "| context ≤ tokens | " + " | ".join(per) + " |"
+    sep = "|---|" + "|".join("---" for _ in per) + "|"
+    rows = [f"| {b} | " + " | ".join(_fmt(per[s].get(b, float("nan")), "ms") for s in per) + " |"
+            for b in buckets]
+    return "\n".join([head, sep, *rows])
+
+
+def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = None,
+             simulated: Sequence[RunResult] | None = None) -> str:
+    env = meta.get("environment", {})
+    lines = [f"# kvtier A/B report — {meta.get('trace', '?')}", ""]
+    lines += [
+        f"- Machine: {env.get('platform', '?')}, {env.get('cpu_count', '?')} CPUs"
+        + (f", {env['memory_gib']} GiB" if "memory_gib" in env else ""),
+        f"- Model: {meta.get('model', '?')}",
+        f"- Trace: {meta.get('trace', '?')} ({meta.get('conversations', '?')} conversations, "
+        f"{meta.get('turns', '?')} turns)",
+        f"- Commit: {env.get('git_commit', '?')}" + (" (dirty tree)" if env.get("git_dirty") else ""),
+        f"- Mode: {meta.get('mode', '?')}" + (f", time scale {meta['time_scale']}"
+                                              if "time_scale" in meta else ""),
+    ]
+    if meta.get("topology"):
+        lines.append(f"- Stack: {meta['topology']}")
+    lines += ["", "## Summary", "", summary_table(results), ""]
+    lines += ["## Median TTFT (ms) by context length", "", _bucket_table(results), ""]
+    lines += ["## Reuse by path (tokens)", "",
+              "| strategy | " + " | ".join(REUSE_PATHS) + " |",
+              "|---|" + "|".join("---" for _ in REUSE_PATHS) + "|"]
+    for r in results:
+        bp = r.reuse_by_path()
+        lines.append(f"| {r.strategy} | " + " | ".join(str(bp[p]) for p in REUSE_PATHS) + " |")
+    lines.append("")
+    if simulated:
+        lines += ["## Simulator prediction (same trace)", "", summary_table(simulated), ""]
+    if sim_error:
+        lines += ["## Simulator error against this run", "",
+                  "| strategy | matched turns | TTFT MAPE | TTFT p50 rel. err | reuse rate abs. err "
+                  "| device block·s rel. err | host GB·s rel. err |",
+                  "|---|---|---|---|---|---|---|"]
+        for s, e in sim_error.items():
+            lines.append(f"| {s} | {e['matched_turns']} | {_fmt(e['ttft_mape'], '%')} | "
+                         f"{_fmt(e['ttft_p50_rel_err'], '%')} | "
+                         f"{_fmt(e['reuse_rate_abs_err'], '%')} | "
+                         f"{_fmt(e['device_block_s_rel_err'], '%')} | "
+                         f"{_fmt(e['host_gb_s_rel_err'], '%')} |")
+        lines.append("")
+    if meta.get("measurement"):
+        lines += ["## How each number is measured", ""]
+        lines += [f"- **{k}**: {v}" for k, v in meta["measurement"].items()]
+        lines.append("")
+    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in PLOTS] + [""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- plots ---------------
+def plot_all(results: Sequence[RunResult], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    # 1. TTFT vs context per strategy: points and the per-bucket median.
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        ok = r.ok_turns
+        pts = ax.scatter([t.prompt_tokens for t in ok], [t.ttft_s * 1e3 for t in ok],
+                         s=10, alpha=0.4)
+        med = _median_curve(ok)
+        if med:
+            ax.plot(*zip(*med), marker="o", color=pts.get_facecolor()[0][:3], label=r.strategy)
+    ax.set_xlabel("prompt tokens (context)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("TTFT vs context length")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, out_dir / PLOTS[0]))
+
+    # 2. Prefill time split: mean recompute vs transfer per follow-up turn.
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r.strategy for r in results]
+    trans, comp = [], []
+    for r in results:
+        ok = r.ok_turns or []
+        n = max(1, len(ok))
+        tr = sum(t.transfer_s for t in ok) / n
+        trans.append(tr * 1e3)
+        comp.append(max(0.0, sum(t.ttft_s for t in ok) / n - tr) * 1e3)
+    ax.bar(names, comp, label="prefill compute + overhead")
+    ax.bar(names, trans, bottom=comp, label="KV transfer")
+    ax.set_ylabel("mean time to first token per turn (ms)")
+    ax.set_title("Prefill time: recompute vs transfer")
+    ax.legend()
+    paths.append(_save(fig, out_dir / PLOTS[1]))
+
+    # 3. Retained memory over time.
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for r in results:
+        ts = [s.t for s in r.memory]
+        a1.step(ts, [s.device_blocks_retained for s in r.memory], where="post", label=r.strategy)
+        a2.step(ts, [s.host_bytes_held / 2**20 for s in r.memory], where="post",
+                label=r.strategy)
+    a1.set_ylabel("device blocks retained")
+    a2.set_ylabel("host MiB held")
+    a2.set_xlabel("time since start (s)")
+    a1.set_title("Retained KV memory over time")
+    a1.legend()
+    paths.append(_save(fig, out_dir / PLOTS[2]))
+
+    # 4. Reuse by path (stacked tokens).
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bottom = [0.0] * len(results)
+    for p in REUSE_PATHS:
+        if p == "none":
+            vals = [float(sum(t.computed_tokens for t in r.ok_turns)) for r in results]
+            label = "computed (prefill)"
+        else:
+            vals = [float(r.reuse_by_path()[p]) for r in results]
+            label = f"reused via {p}"
+        ax.bar(names, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("prompt tokens")
+    ax.set_title("Where prompt tokens came from")
+    ax.legend()
+    paths.append(_save(fig, out_dir / PLOTS[3]))
+    return paths
+
+
+def _median_curve(turns) -> list[tuple[float, float]]:
+    groups: dict[int, list] = {}
+    from .records import bucket_of
+
+    for t in turns:
+        groups.setdefault(bucket_of(t.prompt_tokens), []).append(t)
+    out = []
+    for _, ts in sorted(groups.items()):
+        out.append((statistics.median(t.prompt_tokens for t in ts),
+                    statistics.median(t.ttft_s for t in ts) * 1e3))
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- entry point ---------
+def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
+                 simulated: Sequence[RunResult] | None = None,
+                 sim_error: dict | None = None, plots: bool = True) -> Path:
+    """Write report.json, report.md and the PNGs into ``out_dir``; returns report.md."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(meta)
+    meta.setdefault("environment", environment_meta())
+    if simulated and sim_error is None:
+        sim_error = simulation_error(results, simulated)
+    doc = {
+        "meta": meta,
+        "summary": [r.summary() for r in results],
+        "results": msgspec.to_builtins(list(results)),
+        "simulated": msgspec.to_builtins(list(simulated)) if simulated else None,
+        "simulated_summary": [r.summary() for r in simulated] if simulated else None,
+        "simulator_error": sim_error,
+    }
+    (out / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc)))
+    md = out / "report.md"
+    md.write_text(markdown(results, meta, sim_error, simulated))
+    if plots:
+        plot_all(results, out)
+    return md

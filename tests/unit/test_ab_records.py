@@ -1,0 +1,63 @@
+"""Derived metrics of A/B records, on synthetic records with hand-computed answers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.ab.records import MemorySample, RunResult, TurnRecord, bucket_of, decode, encode
+
+
+def turn(conv="c", i=0, prompt=100, reused=0, path="none", ttft=0.1, outcome="", ok=True):
+    return TurnRecord(strategy="s", conversation_id=conv, turn=i, prompt_tokens=prompt,
+                      reused_tokens=reused, reuse_path=path, computed_tokens=prompt - reused,
+                      ttft_s=ttft, e2e_s=ttft * 2, outcome=outcome, ok=ok)
+
+
+def test_block_seconds_sample_and_hold():
+    mem = [MemorySample("s", 0.0, 10, 0), MemorySample("s", 2.0, 30, 2_000_000_000),
+           MemorySample("s", 3.0, 0, 0)]
+    r = RunResult("s", [], mem, {"t_end": 5.0})
+    assert r.device_block_seconds() == pytest.approx(10 * 2 + 30 * 1 + 0 * 2)
+    assert r.host_gb_seconds() == pytest.approx(2.0 * 1)
+
+
+def test_last_sample_holds_until_t_end_and_unsorted_input():
+    mem = [MemorySample("s", 4.0, 5, 0), MemorySample("s", 0.0, 1, 0)]
+    assert RunResult("s", [], mem, {"t_end": 10.0}).device_block_seconds() == pytest.approx(4 + 30)
+    assert RunResult("s", [], mem, {}).device_block_seconds() == pytest.approx(4)
+    assert RunResult("s").device_block_seconds() == 0.0
+
+
+def test_reuse_hit_expiry_rates_count_follow_ups_only():
+    turns = [turn(i=0, prompt=100),                                 # first turns never count
+             turn(i=1, prompt=200, reused=150, path="dp_read", outcome="full"),
+             turn(i=2, prompt=300, reused=0, outcome="expired"),
+             turn(i=3, prompt=500, reused=250, path="p2p"),
+             turn(i=4, prompt=900, reused=900, path="dp_read", ok=False)]  # errors excluded
+    r = RunResult("s", turns)
+    assert r.reuse_rate() == pytest.approx(400 / 1000)
+    assert r.hit_rate() == pytest.approx(2 / 3)
+    assert r.expiry_rate() == pytest.approx(1 / 3)
+    assert r.reuse_by_path() == {"dp_read": 150, "p2p": 250, "local": 0, "none": 0}
+    s = r.summary()
+    assert s["errors"] == 1 and s["turns"] == 5
+    assert s["computed_tokens"] == 100 + 50 + 300 + 250
+
+
+def test_ttft_medians_per_bucket_and_longest():
+    turns = [turn(prompt=100, ttft=0.1), turn(prompt=200, ttft=0.3), turn(prompt=250, ttft=0.2),
+             turn(prompt=3000, ttft=2.0), turn(prompt=4000, ttft=4.0)]
+    r = RunResult("s", turns)
+    assert r.ttft_by_bucket() == {256: pytest.approx(0.2), 4096: pytest.approx(3.0)}
+    assert r.ttft_at_longest() == pytest.approx(4.0)
+    assert math.isnan(RunResult("s").ttft_at_longest())
+    assert bucket_of(256) == 256 and bucket_of(257) == 512
+
+
+def test_json_round_trip():
+    r = RunResult("s", [turn(i=1, reused=10, path="dp_read")],
+                  [MemorySample("s", 0.5, 3, 4)], {"t_end": 1.0})
+    [back] = decode(encode([r]))
+    assert back == r

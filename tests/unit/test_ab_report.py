@@ -1,0 +1,59 @@
+"""Report generation on synthetic records: files, table contents, plots, simulator error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.ab.records import MemorySample, RunResult, TurnRecord
+from kvtier.ab.report import PLOTS, environment_meta, simulation_error, summary_table, write_report
+
+
+def run(name: str, ttft_scale: float, reuse: bool) -> RunResult:
+    turns = []
+    for c in range(2):
+        ctx = 0
+        for i in range(3):
+            ctx += 300
+            reused = ctx - 300 if (reuse and i) else 0
+            turns.append(TurnRecord(name, f"c{c}", i, ctx, reused, "dp_read" if reused else "none",
+                                    ctx - reused, ttft_scale * (ctx - reused) / 1000,
+                                    ttft_scale * ctx / 500, 0.002 if reused else 0.0,
+                                    t_start=float(i)))
+    mem = [MemorySample(name, float(t), 8 if reuse else 0, 0) for t in range(4)]
+    return RunResult(name, turns, mem, {"t_end": 4.0})
+
+
+def test_report_files_and_numbers(tmp_path):
+    results = [run("recompute", 1.0, False), run("device-ttl", 1.0, True)]
+    meta = {"model": "tiny", "trace": "synthetic-test", "mode": "live", "conversations": 2,
+            "turns": 6, "measurement": {"ttft": "router prefill leg"}}
+    md = write_report(results, tmp_path, meta)
+    text = md.read_text()
+    for p in PLOTS:
+        assert (tmp_path / p).stat().st_size > 1000, p
+    assert "synthetic-test" in text and "tiny" in text and "CPUs" in text
+    env = environment_meta()
+    assert env["git_commit"] and env["git_commit"] in text
+    doc = json.loads((tmp_path / "report.json").read_text())
+    by = {s["strategy"]: s for s in doc["summary"]}
+    assert by["device-ttl"]["device_block_s"] == pytest.approx(32.0)
+    assert by["recompute"]["reuse_rate"] == 0.0
+    assert by["device-ttl"]["reuse_rate"] == pytest.approx((300 + 600) * 2 / ((600 + 900) * 2))
+    assert doc["simulator_error"] is None
+    assert "router prefill leg" in text
+    # the summary row carries the measured numbers
+    row = [ln for ln in summary_table(results).splitlines() if ln.startswith("| device-ttl")][0]
+    assert "60.0%" in row
+
+
+def test_simulator_error_reported(tmp_path):
+    meas = [run("recompute", 1.0, False)]
+    sim = [run("recompute", 1.5, False)]
+    err = simulation_error(meas, sim)
+    assert err["recompute"]["matched_turns"] == 6
+    assert err["recompute"]["ttft_mape"] == pytest.approx(0.5)
+    md = write_report(meas, tmp_path, {"trace": "t"}, simulated=sim, plots=False).read_text()
+    assert "Simulator error" in md and "50.0%" in md
+    assert not (tmp_path / PLOTS[0]).exists()
