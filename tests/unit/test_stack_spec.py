@@ -1,0 +1,55 @@
+import json
+
+import pytest
+
+from kvtier.ids import Role
+from kvtier.stack import CONFIG_DIR, PORTS_PER_INSTANCE, StackSpec, load_config_file
+
+
+def test_instances_get_distinct_ports_roles_and_cores():
+    spec = StackSpec(model="/m", prefill=2, decode=1, kv_transfer_config={"kv_connector": "X"})
+    inst = spec.instances()
+    assert [i.role for i in inst] == [Role.PREFILL, Role.PREFILL, Role.DECODE]
+    assert [i.name for i in inst] == ["prefill-0", "prefill-1", "decode-0"]
+    ports = [p for i in inst for p in (i.http_port, i.side_channel_port, i.events_port, i.replay_port,
+                                       i.tier_events_port, i.tier_replay_port, i.tier_p2p_port)]
+    assert len(ports) == len(set(ports)) == PORTS_PER_INSTANCE * 3
+
+
+def test_base_port_is_consecutive():
+    inst = StackSpec(model="/m", prefill=1, decode=1, base_port=9000).instances()
+    assert inst[0].http_port == 9000 and inst[1].http_port == 9000 + PORTS_PER_INSTANCE
+
+
+def test_argv_and_env_carry_events_nixl_and_transfer_config(monkeypatch):
+    monkeypatch.setenv("KVTIER_DEVICE", "cpu")
+    cfg = load_config_file("nixl-bidirectional")
+    i = StackSpec(model="/m", kv_transfer_config=cfg).instances()[0]
+    argv = i.argv()
+    assert "--enable-prefix-caching" in argv
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert events["endpoint"] == f"tcp://*:{i.events_port}"
+    assert events["replay_endpoint"] == f"tcp://*:{i.replay_port}"
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == cfg
+    assert argv[argv.index("--dtype") + 1] == "float16"  # bf16 SIGILL workaround on CPU
+    env = i.env()
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(i.side_channel_port)
+    assert env["KVTIER_P2P_PORT"] == str(i.tier_p2p_port)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == i.cpu_bind
+
+
+def test_empty_stack_rejected():
+    with pytest.raises(ValueError):
+        StackSpec(model="/m", prefill=0, decode=0).instances()
+
+
+def test_unknown_config_names_the_known_ones():
+    with pytest.raises(FileNotFoundError, match="nixl-bidirectional"):
+        load_config_file("nope")
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid_json_with_a_connector(path):
+    cfg = json.loads(path.read_text())
+    if "kv_connector" in cfg:  # kv-transfer-configs
+        assert cfg.get("kv_role") in {"kv_both", "kv_producer", "kv_consumer"}
