@@ -7,13 +7,29 @@ in agentic multi-turn serving the next turn's prompt is this turn's prompt
 *plus what the model generated*.
 
 Renamed/alternative keys are accepted through ``ALIASES``.
+
+Per-instance ports. One config file serves every instance of a stack, so the
+ports of the tier's event PUB, replay ROUTER and peer side channel are not in
+the file: ``resolved(env)`` takes them from the instance's environment, which
+``kvtier.stack.InstanceSpec.env()`` fills (``KVTIER_TIER_EVENTS_PORT``,
+``KVTIER_TIER_REPLAY_PORT``, ``KVTIER_P2P_PORT``, ``KVTIER_POD_NAME``). The
+file only says *whether* the tier publishes events (``kv_events``) and serves
+peers (``peer_fetch``). Precedence per port: explicit key in the file > env
+var > ``*_port_offset`` (deprecated: ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + offset;
+an offset key also switches its feature on, as it used to).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ENV_EVENTS_PORT = "KVTIER_TIER_EVENTS_PORT"
+ENV_REPLAY_PORT = "KVTIER_TIER_REPLAY_PORT"
+ENV_P2P_PORT = "KVTIER_P2P_PORT"
+ENV_POD_NAME = "KVTIER_POD_NAME"
 
 ALIASES = {
     "cpu_bytes": "cpu_bytes_to_use",
@@ -36,9 +52,11 @@ class HostTierConfig(BaseModel):
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
     events_topic: str = "kvtier-cpu"
-    # Per-instance ports when one config file serves several instances: the
-    # port is VLLM_NIXL_SIDE_CHANNEL_PORT + offset (each instance of a stack
-    # has its own side channel port). Explicit endpoints/ports win.
+    # Switch the tier's KV events / peer server on with ports from the env
+    # (see the module docstring). An explicit endpoint/port switches it on too.
+    kv_events: bool = False
+    peer_fetch: bool = False
+    # Deprecated fallback: port = VLLM_NIXL_SIDE_CHANNEL_PORT + offset.
     events_port_offset: int | None = None
     replay_port_offset: int | None = None
     p2p_port_offset: int | None = None
@@ -65,19 +83,40 @@ class HostTierConfig(BaseModel):
             out[ALIASES.get(k, k)] = v
         return out
 
-    def resolved(self, env: dict[str, str]) -> "HostTierConfig":
-        """Fill offset-based ports from the instance's NIXL side channel port."""
+    def resolved(self, env: Mapping[str, str]) -> "HostTierConfig":
+        """Fill per-instance ports and the pod name from the instance's env.
+
+        Raises ValueError when a feature is on but no port can be found for it.
+        """
         base = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
-        if base is None:
-            return self
-        b = int(base)
+
+        def port(var: str, offset: int | None) -> int | None:
+            if env.get(var):
+                return int(env[var])
+            if offset is not None and base is not None:
+                return int(base) + offset
+            return None
+
         upd: dict[str, Any] = {}
-        if self.events_endpoint is None and self.events_port_offset is not None:
-            upd["events_endpoint"] = f"tcp://*:{b + self.events_port_offset}"
-        if self.replay_endpoint is None and self.replay_port_offset is not None:
-            upd["replay_endpoint"] = f"tcp://*:{b + self.replay_port_offset}"
-        if self.p2p_port is None and self.p2p_port_offset is not None:
-            upd["p2p_port"] = b + self.p2p_port_offset
+        if self.events_endpoint is None and (self.kv_events or self.events_port_offset is not None):
+            p = port(ENV_EVENTS_PORT, self.events_port_offset)
+            if p is None:
+                raise ValueError(f"kv_events is on but neither events_endpoint nor "
+                                 f"{ENV_EVENTS_PORT} gives the tier's event port")
+            upd["events_endpoint"] = f"tcp://*:{p}"
+        events_on = self.events_endpoint is not None or "events_endpoint" in upd
+        if self.replay_endpoint is None and events_on:
+            p = port(ENV_REPLAY_PORT, self.replay_port_offset)
+            if p is not None:
+                upd["replay_endpoint"] = f"tcp://*:{p}"
+        if self.p2p_port is None and (self.peer_fetch or self.p2p_port_offset is not None):
+            p = port(ENV_P2P_PORT, self.p2p_port_offset)
+            if p is None:
+                raise ValueError(f"peer_fetch is on but neither p2p_port nor {ENV_P2P_PORT} "
+                                 f"gives the tier's peer port")
+            upd["p2p_port"] = p
+        if self.pod is None and env.get(ENV_POD_NAME):
+            upd["pod"] = env[ENV_POD_NAME]
         return self.model_copy(update=upd) if upd else self
 
     @classmethod

@@ -82,7 +82,7 @@ def test_host_tier_serves_prompt_and_generated_tokens(host_stack):
 
 
 def _peer_port(inst):
-    return inst.spec.side_channel_port + 1000  # configs/kvtier-peer.json p2p_port_offset
+    return inst.spec.tier_p2p_port  # KVTIER_P2P_PORT of that instance
 
 
 def test_turn2_on_other_instance_pulls_from_peer_host_tier(host_stack):
@@ -124,7 +124,7 @@ def test_tier_events_replay_cpu_blocks(host_stack):
     a = host_stack.instances[0]
     ctx = zmq.Context.instance()
     dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{a.spec.side_channel_port + 1002}")
+    dealer.connect(f"tcp://127.0.0.1:{a.spec.tier_replay_port}")
     dealer.send_multipart([b"", (0).to_bytes(8, "big")])
     stored = []
     try:

@@ -1,0 +1,87 @@
+"""HostTierConfig: parsed once, per-instance ports from the instance's env."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from kvtier.stack import CONFIG_DIR, InstanceSpec
+from kvtier.tier_config import HostTierConfig
+
+ENV = {"KVTIER_TIER_EVENTS_PORT": "7001", "KVTIER_TIER_REPLAY_PORT": "7002",
+       "KVTIER_P2P_PORT": "7003", "KVTIER_POD_NAME": "prefill-1",
+       "VLLM_NIXL_SIDE_CHANNEL_PORT": "5000"}
+
+
+def test_env_ports_fill_enabled_features():
+    c = HostTierConfig.from_extra_config({"kv_events": True, "peer_fetch": True}).resolved(ENV)
+    assert c.events_endpoint == "tcp://*:7001"
+    assert c.replay_endpoint == "tcp://*:7002"
+    assert c.p2p_port == 7003
+    assert c.pod == "prefill-1"
+
+
+def test_features_off_by_default_even_with_env():
+    c = HostTierConfig.from_extra_config({}).resolved(ENV)
+    assert c.events_endpoint is None and c.replay_endpoint is None and c.p2p_port is None
+    assert c.pod == "prefill-1"
+
+
+def test_explicit_keys_beat_env():
+    c = HostTierConfig.from_extra_config(
+        {"events_endpoint": "tcp://*:9001", "p2p_port": 9003, "pod": "mine",
+         "peer_fetch": True}).resolved(ENV)
+    assert c.events_endpoint == "tcp://*:9001"
+    assert c.replay_endpoint == "tcp://*:7002"  # events on -> replay from env
+    assert c.p2p_port == 9003 and c.pod == "mine"
+
+
+def test_env_beats_offsets_and_offsets_remain_a_fallback():
+    raw = {"events_port_offset": 1001, "replay_port_offset": 1002, "p2p_port_offset": 1000}
+    c = HostTierConfig.from_extra_config(raw).resolved(ENV)
+    assert (c.events_endpoint, c.p2p_port) == ("tcp://*:7001", 7003)
+    legacy = HostTierConfig.from_extra_config(raw).resolved({"VLLM_NIXL_SIDE_CHANNEL_PORT": "5000"})
+    assert legacy.events_endpoint == "tcp://*:6001"
+    assert legacy.replay_endpoint == "tcp://*:6002"
+    assert legacy.p2p_port == 6000
+
+
+def test_enabled_feature_without_any_port_is_an_error():
+    with pytest.raises(ValueError, match="KVTIER_P2P_PORT"):
+        HostTierConfig.from_extra_config({"peer_fetch": True}).resolved({})
+    with pytest.raises(ValueError, match="KVTIER_TIER_EVENTS_PORT"):
+        HostTierConfig.from_extra_config({"kv_events": True}).resolved({})
+
+
+def test_unknown_keys_refused_and_aliases_accepted():
+    with pytest.raises(ValidationError):
+        HostTierConfig.from_extra_config({"cpu_byts": 1})
+    assert HostTierConfig.from_extra_config({"host_bytes": 4096}).cpu_bytes_to_use == 4096
+
+
+def _kvtier_children(cfg: dict) -> list[dict]:
+    if cfg["kv_connector"] == "KVTierConnector":
+        return [cfg]
+    return [c for c in cfg.get("kv_connector_extra_config", {}).get("connectors", [])
+            if c["kv_connector"] == "KVTierConnector"]
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_configs_parse_and_carry_no_ports(path):
+    """Every shipped config's kvtier part parses, and resolves against the
+    env a stack instance really gets (no fixed or offset ports in files)."""
+    cfg = json.loads(path.read_text())
+    inst = InstanceSpec(name="prefill-0", role="prefill", model="m", http_port=1,
+                        side_channel_port=2, events_port=3, replay_port=4,
+                        tier_events_port=5, tier_replay_port=6, tier_p2p_port=7)
+    for child in _kvtier_children(cfg):
+        extra = child.get("kv_connector_extra_config", {})
+        assert not [k for k in extra if "port" in k or "endpoint" in k], extra
+        c = HostTierConfig.from_extra_config(extra).resolved(inst.env())
+        if c.peer_fetch:
+            assert c.p2p_port == 7
+        if c.kv_events:
+            assert c.events_endpoint == "tcp://*:5" and c.replay_endpoint == "tcp://*:6"
+        assert c.pod == "prefill-0"
