@@ -1,0 +1,89 @@
+"""The five strategies as configs: what each starts and how the router is set."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvtier.ab.costmodel import CostModel, LinkModel
+from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, builtin, parse_list
+from kvtier.router.config import RouterConfig
+
+
+def children(cfg: dict) -> dict[str, dict]:
+    if cfg["kv_connector"] == "MultiConnector":
+        return {c["kv_connector"]: c for c in cfg["kv_connector_extra_config"]["connectors"]}
+    return {cfg["kv_connector"]: cfg}
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_every_strategy_builds_a_stack_and_router_config(name):
+    s = builtin(name)
+    spec = s.stack_spec("/models/tiny")
+    assert spec.prefill + spec.decode <= 3
+    assert "--no-enable-prefix-caching" in spec.extra_args
+    assert "--enable-prompt-tokens-details" in spec.extra_args
+    ch = children(spec.kv_transfer_config)
+    assert ch["NixlConnector"]["kv_buffer_device"] == "cpu"
+    nixl = ch["NixlConnector"]["kv_connector_extra_config"]
+    assert nixl["bidirectional_kv_xfer"] is s.device_retention
+    assert ("KVTierConnector" in ch) is s.host_tier
+    # the router accepts the strategy's settings
+    RouterConfig.model_validate({"decode": ["http://127.0.0.1:1"], **s.router_settings()})
+
+
+def test_recompute_and_device_ttl():
+    r = builtin("recompute").kv_transfer_config()
+    assert r["kv_connector"] == "NixlConnector"
+    assert r["kv_connector_extra_config"] == {"bidirectional_kv_xfer": False}
+    d = builtin("device-ttl", decode_ttl_s=42).kv_transfer_config()
+    assert d["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == 42
+    assert d["kv_connector_extra_config"]["kv_recompute_threshold"] == 64
+    assert builtin("device-ttl", 42).router_settings()["decode_kv_ttl_s"] == 42
+
+
+def test_host_p2p_has_no_device_retention_and_fetches_from_peers():
+    s = builtin("host-p2p")
+    ch = children(s.kv_transfer_config())
+    assert list(ch) == ["NixlConnector", "KVTierConnector"]  # vLLM loads from the first match
+    assert ch["NixlConnector"]["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
+    tier = ch["KVTierConnector"]["kv_connector_extra_config"]
+    assert tier["peer_fetch"] and tier["kv_events"] and tier["offload_prompt_only"] is False
+    assert s.use_indexer and not s.dp_reuse
+
+
+def test_tiered_short_ttl_and_scaling():
+    t = builtin("tiered")
+    assert t.decode_ttl_s < builtin("device-ttl").decode_ttl_s
+    half = t.scaled(0.5)
+    assert half.decode_ttl_s == t.decode_ttl_s / 2
+    assert builtin("recompute").scaled(0.1) == builtin("recompute")
+    assert t.router_settings()["ttl_margin_s"] < t.router_settings()["decode_kv_ttl_s"]
+    assert t.scaled(0.001).decode_ttl_s >= 1.0
+
+
+def test_adaptive_takes_thresholds_from_the_cost_model():
+    cm = CostModel(kv_bytes_per_token=2048, prefill_a_s=0.01, prefill_b_s_per_token=2e-4,
+                   reads={"dp_read": LinkModel(setup_s=0.02, bytes_per_s=1e9),
+                          "p2p": LinkModel(setup_s=0.05, bytes_per_s=1e9)})
+    rec = cm.recommend()
+    a = builtin("tiered-adaptive").with_cost_model(cm)
+    assert (a.kv_recompute_threshold, a.min_cached_token_delta) == (
+        rec.kv_recompute_threshold, rec.min_cached_token_delta)
+    assert a.kv_recompute_threshold != builtin("tiered-adaptive").kv_recompute_threshold
+    nixl = children(a.kv_transfer_config())["NixlConnector"]["kv_connector_extra_config"]
+    assert nixl["kv_recompute_threshold"] == rec.kv_recompute_threshold
+    assert builtin("tiered").with_cost_model(cm) == builtin("tiered")  # not adaptive: unchanged
+
+
+def test_parse_list_and_validation():
+    assert [s.name for s in parse_list("recompute, tiered")] == ["recompute", "tiered"]
+    with pytest.raises(ValueError):
+        parse_list("recompute,recompute")
+    with pytest.raises(ValueError):
+        builtin("lru")
+    with pytest.raises(ValidationError):
+        StrategySpec(name="device-ttl", kv_configs=("nixl-bidirectional",), device_retention=True)
+    with pytest.raises(ValidationError):
+        builtin("recompute").topology(2, 2)
+    assert builtin("recompute").topology(2, 1).stack_spec("m").prefill == 2
