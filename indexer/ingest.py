@@ -20,14 +20,12 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
-import xxhash
-
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, RequestKey, Tier
 
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, UnknownEvent
 from .index import KVIndex
+from .keys import request_keys
 
 _MEDIA = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU}
 
@@ -114,7 +112,7 @@ class EventApplier:
             c.dropped["short_token_ids"] += n - full
         if full == 0:
             return
-        keys = _extend(hasher, parent, ev.token_ids[: full * bs])
+        keys = request_keys(hasher, ev.token_ids[: full * bs], parent)
         hashes: list[EngineBlockHash] = list(ev.block_hashes[:full])
         self.index.store(pod, tier, list(zip(hashes, keys)))
         c.applied["BlockStored"] += 1
@@ -129,25 +127,3 @@ class EventApplier:
             c.dropped["remove_unknown"] += len(ev.block_hashes) - known
         c.applied["BlockRemoved"] += 1
         c.blocks_removed += known
-
-
-def _extend(hasher: RequestKeyHasher, parent: RequestKey | None, tokens) -> list[RequestKey]:
-    """``hasher.keys`` continued from ``parent``: same chain, one numpy pack for all blocks.
-
-    ``RequestKeyHasher.extend`` packs every block separately (~10x slower on
-    the ingest path); tests/unit/test_indexer_ingest.py checks the two agree.
-    """
-    if parent is None:
-        return hasher.keys(tokens)
-    bs = hasher.block_size
-    n = len(tokens) // bs
-    raw = np.asarray(tokens[: n * bs], dtype="<u4").tobytes()
-    step = bs * 4
-    h = xxhash.xxh3_64_intdigest
-    seed = hasher.seed
-    prev = int(parent)
-    out: list[RequestKey] = []
-    for i in range(n):
-        prev = h(prev.to_bytes(8, "little") + raw[i * step: (i + 1) * step], seed)
-        out.append(RequestKey(prev))
-    return out

@@ -27,6 +27,7 @@ from kvtier.ids import PodId, Tier
 
 from .config import IndexerConfig, PodSpec
 from .index import KVIndex, MemoryIndex, restore_entries
+from .keys import request_keys
 from .ingest import EventApplier, HasherCache
 from .messages import LookupResponse, Match, Source, SourceResponse
 from .metrics import IndexerMetrics, InstrumentedIndex
@@ -141,7 +142,7 @@ class IndexerService:
         if len(token_ids) > self.cfg.max_lookup_tokens:
             raise InputError(f"token_ids has {len(token_ids)} tokens, over the limit of "
                              f"{self.cfg.max_lookup_tokens}", status=413)
-        return self.hashers.get(model).keys(token_ids)
+        return request_keys(self.hashers.get(model), token_ids)
 
     def lookup(self, model: str, token_ids: Sequence[int]) -> LookupResponse:
         """Longest cached prefix per (pod, tier), longest first."""

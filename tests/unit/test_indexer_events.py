@@ -9,7 +9,8 @@ from kvtier.hashing import EngineHasher, RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
 from kvtier.indexer import events as ev
 from kvtier.indexer.index import MemoryIndex
-from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters, _extend
+from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
+from kvtier.indexer.keys import request_keys
 
 
 def test_decodes_batches_encoded_by_vllm_itself():
@@ -67,12 +68,21 @@ def test_malformed_frames_raise_one_error_type(frames):
         ev.decode_frames(frames)
 
 
-def test_extend_matches_request_key_hasher():
-    h = RequestKeyHasher(ModelName("m"), 4, seed=3)
-    toks = list(range(40))
+@pytest.mark.parametrize("bs,seed,n", [(4, 3, 41), (32, 0, 32 * 50 + 7), (16, 99, 5)])
+def test_fast_request_keys_equal_the_reference_hasher(bs, seed, n):
+    import random
+
+    import numpy as np
+
+    h = RequestKeyHasher(ModelName("m"), bs, seed=seed)
+    toks = [random.randrange(2**32) for _ in range(n)]
     keys = h.keys(toks)
-    assert _extend(h, keys[2], toks[12:]) == keys[3:] == h.extend(keys[2], toks[12:])
-    assert _extend(h, None, toks) == keys
+    assert request_keys(h, toks) == keys
+    assert request_keys(h, np.asarray(toks, dtype=np.uint32)) == keys
+    if len(keys) > 2:
+        assert request_keys(h, toks[2 * bs:], keys[1]) == keys[2:] == h.extend(keys[1], toks[2 * bs:])
+    with pytest.raises((OverflowError, TypeError)):
+        request_keys(h, [-1] * bs)
 
 
 def _apply(events, applier, pod="p", counters=None, seq=0):
