@@ -1,0 +1,429 @@
+"""Discrete-event model of a P/D fleet replaying a trace under one retention strategy.
+
+What is modelled (and what the live run measures the same way, so `compare` is fair):
+
+- **Prefill instances** serve one prefill at a time, FIFO; a turn joins the shortest queue
+  (ties: lowest index). Service = KV read (if any) + prefill of the rest
+  (`CostModel.ttft_s`) + the P→D hand-off of the whole prompt when the cost model has a
+  ``"pd_transfer"`` link. TTFT = queue + service.
+- **Decode instances** batch (no queue); a conversation sticks to the decode instance its
+  first turn was given (fewest blocks in use). A turn occupies ``ceil(context/block)``
+  device blocks for ``response_tokens × decode_s_per_token``; e2e = TTFT + that.
+- **Device retention** (``device-ttl``, ``tiered*``): when a turn finishes, its decode keeps
+  the conversation's blocks for ``decode_ttl_s`` (fixed, not renewed: vLLM's behaviour),
+  or until the next turn's prefill has read them, or until an arriving turn needs the room
+  (oldest retention evicted first). Retained blocks over time → block-seconds.
+- **Host copies** (``host-p2p``, ``tiered*``): a finished turn's context (prompt and
+  generated tokens) is stored in its decode pod's host tier, replacing the conversation's
+  older copy; LRU eviction at ``host_bytes_per_pod``; held until evicted (no TTL). Bytes held
+  over time → GB-seconds. One copy per conversation, on the decode pod: a simplification
+  of the connector, which stores on every instance the turn passed through.
+- **Reuse** is limited to the *proven prefix* (`kvtier.ab.traces.turn_plan`): with
+  ``strip_reasoning > 0`` only the previous prompt is reusable, whatever is held.
+  Reusable counts are whole blocks (`kvtier.reuse.reusable_tokens`), on top of the
+  prefill's own prefix cache when the strategy enables it and the fleet gives it room.
+- **Path choice**: fixed strategies read D→P when at least ``kv_recompute_threshold``
+  tokens would be pulled (vLLM's gate), else from a peer host when the delta is at least
+  ``min_cached_token_delta``; ``adaptive`` strategies take `CostModel.best_path` per
+  request. (The simulated world *is* the cost model, so an online refit would converge to
+  it at once; the adaptive strategy uses it directly.)
+
+Not modelled: chunked-prefill batching across requests, network contention between
+concurrent reads, decode-side compute interference.
+
+Threading model: `simulate` is a pure function of its arguments (no globals, no clock,
+no randomness), single-threaded; the same inputs give the same `RunResult`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtier.ab.costmodel import CostModel
+from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnRecord, bucket_of
+from kvtier.ab.strategies import StrategySpec, builtin
+from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
+from kvtier.ids import ConversationId
+from kvtier.reuse import align_down
+
+PD_TRANSFER = "pd_transfer"  # optional CostModel.reads entry: P->D hand-off of the prompt KV
+
+
+class FleetSpec(BaseModel):
+    """The simulated deployment: instance counts and capacities."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefill: int = Field(1, ge=1)
+    decode: int = Field(1, ge=1)
+    device_blocks_per_decode: int = Field(8192, ge=1)
+    host_bytes_per_pod: int = Field(8 << 30, ge=0)
+    block_size: int = Field(32, ge=1)
+    # Prefill's own prefix cache in blocks (used only when the strategy turns prefix caching on).
+    prefill_cache_blocks: int = Field(0, ge=0)
+
+
+# ------------------------------------------------------------------------------- state
+
+
+@dataclass
+class _Retained:
+    conv: ConversationId
+    blocks: int
+    tokens: int  # context tokens held (prompt + generated)
+    expires: float
+
+
+@dataclass
+class _Decode:
+    active_blocks: int = 0
+    retained: OrderedDict[ConversationId, _Retained] = field(default_factory=OrderedDict)
+
+    def retained_blocks(self) -> int:
+        return sum(r.blocks for r in self.retained.values())
+
+
+@dataclass
+class _Host:
+    capacity: int
+    used: int = 0
+    copies: OrderedDict[ConversationId, tuple[int, int]] = field(default_factory=OrderedDict)  # tokens, bytes
+
+    def store(self, conv: ConversationId, tokens: int, nbytes: int) -> None:
+        self.drop(conv)
+        if nbytes > self.capacity:
+            return  # larger than the whole tier: not stored
+        while self.used + nbytes > self.capacity:
+            _, (_, b) = self.copies.popitem(last=False)  # least recently used
+            self.used -= b
+        self.copies[conv] = (tokens, nbytes)
+        self.used += nbytes
+
+    def lookup(self, conv: ConversationId) -> int:
+        hit = self.copies.get(conv)
+        if hit is None:
+            return 0
+        self.copies.move_to_end(conv)
+        return hit[0]
+
+    def drop(self, conv: ConversationId) -> None:
+        old = self.copies.pop(conv, None)
+        if old is not None:
+            self.used -= old[1]
+
+
+@dataclass
+class _Prefill:
+    queue: list[tuple[float, ConversationId, int]] = field(default_factory=list)  # arrival, conv, turn
+    busy_until: float = 0.0
+    busy: bool = False
+    cache: OrderedDict[ConversationId, int] = field(default_factory=OrderedDict)  # conv -> tokens cached
+    cache_used: int = 0
+
+
+# Event kinds, in the order they are applied at equal times: expiries and finishes free
+# memory before a prefill looks for it; arrivals queue before a start picks the next turn.
+_EXPIRE, _FINISH, _PREFILL_DONE, _ARRIVE, _START = range(5)
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """What the simulator needs from a StrategySpec, parsed once."""
+
+    name: str
+    ttl_s: float  # 0: no device retention
+    dp_read: bool
+    host_copy: bool
+    p2p: bool
+    local_cache: bool
+    threshold: int
+    delta: int
+    adaptive: bool
+
+    @classmethod
+    def of(cls, s: StrategySpec) -> "_Policy":
+        ttl = float(s.decode_ttl_s or 0.0) if s.device_retention else 0.0
+        return cls(s.name, ttl, s.dp_reuse and ttl > 0, s.host_tier, s.peer_fetch, s.prefix_caching,
+                   s.kv_recompute_threshold, s.min_cached_token_delta, s.adaptive)
+
+
+class _Sim:
+    def __init__(self, trace: Trace, policy: _Policy, fleet: FleetSpec, cost: CostModel) -> None:
+        self.trace, self.p, self.fleet, self.cost = trace, policy, fleet, cost
+        self.bs = fleet.block_size
+        self.prefills = [_Prefill() for _ in range(fleet.prefill)]
+        self.decodes = [_Decode() for _ in range(fleet.decode)]
+        self.hosts = [_Host(fleet.host_bytes_per_pod) for _ in range(fleet.decode)]
+        self.convs: dict[ConversationId, ConversationSpec] = {c.conversation_id: c for c in trace.conversations}
+        self.plans: dict[ConversationId, list[TurnPlan]] = {k: turn_plan(c) for k, c in self.convs.items()}
+        self.decode_of: dict[ConversationId, int] = {}
+        self.events: list[tuple[float, int, int, tuple]] = []
+        self.seq = 0
+        self.records: list[TurnRecord] = []
+        self.memory: list[MemorySample] = []
+        self.pending: dict[tuple[ConversationId, int], dict] = {}
+        self.counters = {"evicted_device": 0, "expired_device": 0, "decode_overcommit": 0}
+        self.now = 0.0
+
+    # -- event plumbing -------------------------------------------------------------------
+    def push(self, t: float, kind: int, payload: tuple) -> None:
+        heapq.heappush(self.events, (t, kind, self.seq, payload))
+        self.seq += 1
+
+    def sample_memory(self) -> None:
+        dev = sum(d.retained_blocks() for d in self.decodes)
+        host = sum(h.used for h in self.hosts)
+        last = self.memory[-1] if self.memory else None
+        if last is not None and (last.device_blocks_retained, last.host_bytes_held) == (dev, host):
+            return
+        if last is not None and last.t == self.now:
+            self.memory[-1] = MemorySample(self.p.name, self.now, dev, host)
+        else:
+            self.memory.append(MemorySample(self.p.name, self.now, dev, host))
+
+    def run(self) -> RunResult:
+        self.memory.append(MemorySample(self.p.name, 0.0, 0, 0))
+        for conv in self.trace.conversations:
+            self.push(conv.start_s, _ARRIVE, (conv.conversation_id, 0))
+        handlers = {_EXPIRE: self.on_expire, _FINISH: self.on_finish, _PREFILL_DONE: self.on_prefill_done,
+                    _ARRIVE: self.on_arrive, _START: self.on_start}
+        while self.events:
+            t, kind, _, payload = heapq.heappop(self.events)
+            self.now = t
+            handlers[kind](*payload)
+            self.sample_memory()
+        t_end = max((r.t_start + r.e2e_s for r in self.records), default=0.0)
+        self.records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
+        meta = {"simulated": True, "t_end": t_end, "fleet": self.fleet.model_dump(),
+                "cost_model": self.cost.model_dump(), "trace": self.trace.name, **self.counters}
+        return RunResult(self.p.name, self.records, [m for m in self.memory if m.t <= t_end], meta)
+
+    # -- handlers ---------------------------------------------------------------------------
+    def on_arrive(self, conv: ConversationId, turn: int) -> None:
+        if conv not in self.decode_of:
+            loads = [d.active_blocks + d.retained_blocks() for d in self.decodes]
+            self.decode_of[conv] = min(range(len(loads)), key=lambda i: (loads[i], i))
+        i = min(range(len(self.prefills)),
+                key=lambda k: (len(self.prefills[k].queue) + self.prefills[k].busy, k))
+        self.prefills[i].queue.append((self.now, conv, turn))
+        if not self.prefills[i].busy:
+            self.push(self.now, _START, (i,))
+
+    def on_start(self, i: int) -> None:
+        pf = self.prefills[i]
+        if pf.busy or not pf.queue:
+            return
+        arrival, conv, turn = pf.queue.pop(0)
+        pf.busy = True
+        spec = self.convs[conv].turns[turn]
+        plan = self.plans[conv][turn]
+        prompt, proven = plan.prompt_tokens, plan.proven_prefix
+        d = self.decode_of[conv]
+        dec, host = self.decodes[d], self.hosts[d]
+
+        local = 0
+        if self.p.local_cache and self.fleet.prefill_cache_blocks:
+            local = align_down(min(pf.cache.get(conv, 0), proven), self.bs)
+        ret = dec.retained.get(conv)
+        if ret is not None and ret.expires < self.now:
+            ret = None  # expiry event not yet applied at this exact time
+        held_dev = ret.tokens if (ret is not None and self.p.dp_read) else 0
+        held_host = host.lookup(conv) if self.p.p2p else 0
+        cands: dict[str, int] = {}
+        if held_dev:
+            cands["dp_read"] = max(0, align_down(min(held_dev, proven), self.bs) - local)
+        if held_host:
+            cands["p2p"] = max(0, align_down(min(held_host, proven), self.bs) - local)
+        path, n = self.choose(prompt, local, cands)
+        transfer = self.cost.read_s(path, n) if path else 0.0
+        service = self.cost.ttft_s(path, prompt, n, local_tokens=local)
+        if PD_TRANSFER in self.cost.reads:
+            service += self.cost.read_s(PD_TRANSFER, prompt)
+        if ret is not None:
+            # The next turn reads (or forgoes) D's copy; either way D frees it now:
+            # vLLM's pinned blocks serve exactly one follow-up request.
+            self.release_retained(d, conv)
+
+        retained_any = self.p.ttl_s > 0 or self.p.host_copy
+        if turn == 0 or not retained_any:
+            outcome = "none"
+        elif not held_dev and not held_host:
+            outcome = "expired"
+        elif path is None:
+            outcome = "none"
+        else:
+            outcome = "trimmed" if spec.strip_reasoning else "full"
+        reused = local + n
+        self.pending[(conv, turn)] = dict(
+            arrival=arrival, prompt=prompt, reused=reused,
+            reuse_path=path or ("local" if local else "none"), transfer=transfer, outcome=outcome)
+        if self.p.local_cache and self.fleet.prefill_cache_blocks:
+            self.cache_prompt(pf, conv, prompt)
+        self.push(self.now + service, _PREFILL_DONE, (i, conv, turn))
+
+    def choose(self, prompt: int, local: int, cands: dict[str, int]) -> tuple[str | None, int]:
+        if self.p.adaptive:
+            return self.cost.best_path(prompt, cands, local_tokens=local)
+        n = cands.get("dp_read", 0)
+        # vLLM's pull gate: skip when 0 < threshold and count < threshold
+        if n > 0 and not (0 < self.p.threshold and n < self.p.threshold):
+            return "dp_read", n
+        n = cands.get("p2p", 0)
+        if n > 0 and n >= self.p.delta:
+            return "p2p", n
+        return None, 0
+
+    def on_prefill_done(self, i: int, conv: ConversationId, turn: int) -> None:
+        self.prefills[i].busy = False
+        self.push(self.now, _START, (i,))
+        pend = self.pending.pop((conv, turn))
+        spec = self.convs[conv].turns[turn]
+        plan = self.plans[conv][turn]
+        d = self.decode_of[conv]
+        blocks = math.ceil(plan.context_after / self.bs)
+        self.make_room(d, blocks, conv)
+        self.decodes[d].active_blocks += blocks
+        ttft = self.now - pend["arrival"]
+        e2e = ttft + spec.response_tokens * self.cost.decode_s_per_token
+        self.records.append(TurnRecord(
+            strategy=self.p.name, conversation_id=conv, turn=turn, prompt_tokens=pend["prompt"],
+            reused_tokens=pend["reused"], reuse_path=pend["reuse_path"],
+            computed_tokens=pend["prompt"] - pend["reused"], ttft_s=ttft, e2e_s=e2e,
+            transfer_s=pend["transfer"], t_start=pend["arrival"], outcome=pend["outcome"],
+            response_tokens=spec.response_tokens))
+        self.push(pend["arrival"] + e2e, _FINISH, (conv, turn, blocks))
+
+    def on_finish(self, conv: ConversationId, turn: int, blocks: int) -> None:
+        d = self.decode_of[conv]
+        dec = self.decodes[d]
+        dec.active_blocks -= blocks
+        tokens = self.plans[conv][turn].context_after
+        if self.p.ttl_s > 0:
+            dec.retained[conv] = _Retained(conv, blocks, tokens, self.now + self.p.ttl_s)
+            self.push(self.now + self.p.ttl_s, _EXPIRE, (d, conv, self.now + self.p.ttl_s))
+            if dec.active_blocks + dec.retained_blocks() > self.fleet.device_blocks_per_decode:
+                self.make_room(d, 0, conv)
+        if self.p.host_copy:
+            self.hosts[d].store(conv, tokens, tokens * self.cost.kv_bytes_per_token)
+        turns = self.convs[conv].turns
+        if turn + 1 < len(turns):
+            self.push(self.now + turns[turn + 1].wait_s, _ARRIVE, (conv, turn + 1))
+
+    def on_expire(self, d: int, conv: ConversationId, expires: float) -> None:
+        r = self.decodes[d].retained.get(conv)
+        if r is not None and r.expires == expires:
+            self.release_retained(d, conv)
+            self.counters["expired_device"] += 1
+
+    # -- memory helpers -----------------------------------------------------------------------
+    def release_retained(self, d: int, conv: ConversationId) -> None:
+        self.decodes[d].retained.pop(conv, None)
+
+    def make_room(self, d: int, blocks: int, keep: ConversationId) -> None:
+        """Evict retained KV (oldest first, ``keep``'s last) until ``blocks`` more fit."""
+        dec = self.decodes[d]
+        cap = self.fleet.device_blocks_per_decode
+        while dec.active_blocks + dec.retained_blocks() + blocks > cap and dec.retained:
+            victim = next((c for c in dec.retained if c != keep), keep)
+            self.release_retained(d, victim)
+            self.counters["evicted_device"] += 1
+        if dec.active_blocks + blocks > cap:
+            self.counters["decode_overcommit"] += 1
+
+    def cache_prompt(self, pf: _Prefill, conv: ConversationId, prompt: int) -> None:
+        cap = self.fleet.prefill_cache_blocks
+        blocks = prompt // self.bs
+        old = pf.cache.pop(conv, 0)
+        pf.cache_used -= old // self.bs
+        while pf.cache and pf.cache_used + blocks > cap:
+            _, t = pf.cache.popitem(last=False)
+            pf.cache_used -= t // self.bs
+        if blocks <= cap:
+            pf.cache[conv] = prompt
+            pf.cache_used += blocks
+
+
+def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost: CostModel) -> RunResult:
+    """Replay ``trace`` under ``strategy`` on ``fleet`` with ``cost``; records like a live run.
+
+    ``strategy`` is a `StrategySpec` or a built-in name (`kvtier.ab.strategies.builtin`).
+    The spec's own prefill/decode counts are ignored: the fleet is ``fleet``.
+    """
+    spec = builtin(strategy) if isinstance(strategy, str) else strategy
+    policy = _Policy.of(spec)
+    needed = (["dp_read"] if policy.dp_read else []) + (["p2p"] if policy.p2p else [])
+    missing = [p for p in needed if p not in cost.reads]
+    if missing:
+        raise ValueError(f"strategy {spec.name} reads over {missing}; the cost model has {sorted(cost.reads)}")
+    if cost.block_size != fleet.block_size:
+        raise ValueError(f"cost model block_size {cost.block_size} != fleet block_size {fleet.block_size}")
+    return _Sim(trace, policy, fleet, cost).run()
+
+
+def simulate_all(trace: Trace, strategies: Sequence[StrategySpec | str], fleet: FleetSpec,
+                 cost: CostModel) -> list[RunResult]:
+    return [simulate(trace, s, fleet, cost) for s in strategies]
+
+
+# ------------------------------------------------------------------------------- validation
+
+
+class ErrorRow(msgspec.Struct, frozen=True):
+    """Median TTFT of one group of turns, measured vs simulated."""
+
+    group: str  # "turn" or "context"
+    key: int  # turn index, or the context bucket's upper bound (prompt tokens)
+    n: int  # turns matched in this group
+    measured_s: float
+    simulated_s: float
+    rel_error: float  # (simulated - measured) / measured
+
+
+class ErrorTable(msgspec.Struct, frozen=True):
+    strategy: str
+    rows: list[ErrorRow]
+    matched: int  # turns present (and ok) in both runs
+    median_abs_rel_error: float  # over matched turns, per turn
+    max_abs_group_error: float  # worst |rel_error| over the rows
+
+    def markdown(self) -> str:
+        lines = [f"Simulator vs measured, `{self.strategy}`: {self.matched} turns matched, median "
+                 f"|error| per turn {self.median_abs_rel_error:.1%}, worst group {self.max_abs_group_error:.1%}",
+                 "", "| group | key | n | measured ms | simulated ms | error |", "|---|---|---|---|---|---|"]
+        for r in self.rows:
+            lines.append(f"| {r.group} | {r.key} | {r.n} | {r.measured_s * 1e3:.1f} | "
+                         f"{r.simulated_s * 1e3:.1f} | {r.rel_error:+.1%} |")
+        return "\n".join(lines)
+
+
+def compare(measured: RunResult, simulated: RunResult, buckets: Sequence[int] = DEFAULT_BUCKETS) -> ErrorTable:
+    """Per-turn-index and per-context-bucket median TTFT, measured vs simulated.
+
+    Turns are matched by (conversation, turn); only turns ok in both runs count.
+    Groups are keyed by the *measured* turn's prompt length, so a simulator that gets
+    token accounting wrong shows up as TTFT error, not as a shifted bucket.
+    """
+    sim = {(t.conversation_id, t.turn): t for t in simulated.ok_turns}
+    pairs = [(m, sim[(m.conversation_id, m.turn)]) for m in measured.ok_turns
+             if (m.conversation_id, m.turn) in sim and m.ttft_s > 0]
+    rows: list[ErrorRow] = []
+    for group, key_of in (("turn", lambda m: m.turn), ("context", lambda m: bucket_of(m.prompt_tokens, buckets))):
+        groups: dict[int, list[tuple[float, float]]] = {}
+        for m, s in pairs:
+            groups.setdefault(key_of(m), []).append((m.ttft_s, s.ttft_s))
+        for key in sorted(groups):
+            ms = statistics.median(a for a, _ in groups[key])
+            ss = statistics.median(b for _, b in groups[key])
+            rows.append(ErrorRow(group, key, len(groups[key]), ms, ss, (ss - ms) / ms))
+    per_turn = [abs(s.ttft_s - m.ttft_s) / m.ttft_s for m, s in pairs]
+    return ErrorTable(measured.strategy, rows, len(pairs),
+                      statistics.median(per_turn) if per_turn else float("nan"),
+                      max((abs(r.rel_error) for r in rows), default=float("nan")))
