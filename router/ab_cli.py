@@ -1,0 +1,354 @@
+"""``kvtier ab``, ``kvtier calibrate`` and ``kvtier demo``.
+
+    kvtier ab [--strategies recompute,device-ttl,host-p2p,tiered] [--trace FILE|--synthetic]
+              [--out DIR] [--model tiny|bench|PATH] [--time-scale X] [--simulate]
+    kvtier calibrate [--model tiny] [--stack ROUTER_URL] [--simulate] [--out FILE]
+    kvtier demo
+
+A live ``ab`` starts each strategy's stack in turn, replays the trace, then fits
+a cost model to the run's own turns (in-sample), replays the same trace through
+the simulator with it and reports the simulator's error next to the
+measurements. ``--simulate`` runs only the simulator (cost model from
+``--cost FILE`` or ``kvtier calibrate``'s defaults).
+
+Threading model: each command runs on the caller's thread (the runner owns its
+helper threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from kvtier.ab.costmodel import CostModel, LinkModel, PrefillSample, ReadSample, fit_link, \
+    fit_prefill, kv_bytes_per_token
+from kvtier.ab.records import RunResult
+from kvtier.ab.report import summary_table, write_report
+from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, parse_list
+from kvtier.ab.traces import SyntheticTraceConfig, Trace, WaitDist, LengthDist, synthetic
+
+log = logging.getLogger("kvtier.ab")
+
+DEMO_STRATEGIES = "recompute,device-ttl"
+
+
+# ----------------------------------------------------------------- shared pieces -----
+def resolve_model(name: str) -> Path:
+    if name in ("tiny", "bench"):
+        from kvtier.models import build_model
+
+        return Path(build_model(name))
+    p = Path(name)
+    if not (p / "config.json").exists():
+        raise SystemExit(f"--model {name!r}: not a preset (tiny, bench) nor a model directory")
+    return p
+
+
+def model_facts(model_dir: Path) -> tuple[int, int]:
+    """(KV bytes per token at fp16, max context) from the model's config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return kv_bytes_per_token(cfg, 2), int(cfg.get("max_position_embeddings", 4096))
+
+
+def default_trace(max_context: int, conversations: int, turns: int, seed: int = 0) -> Trace:
+    """An agentic trace whose context grows towards the model's limit."""
+    first = max(64, max_context // 8)
+    tool = max(32, (max_context - first) // max(1, turns) - 64)
+    return synthetic(SyntheticTraceConfig(
+        name=f"synthetic-{conversations}x{turns}-ctx{max_context}", conversations=conversations,
+        turns=turns, first_prompt_tokens=LengthDist(mean=first, spread=0.2),
+        response_tokens=LengthDist(mean=32, spread=0.5),
+        tool_output_tokens=LengthDist(mean=tool, spread=0.3),
+        wait=WaitDist(kind="lognormal", median_s=5.0, sigma=1.0, max_s=120.0),
+        concurrency=min(conversations, 2), wave_interval_s=20.0, seed=seed,
+        max_context_tokens=max_context - 8))
+
+
+def fit_from_records(results: list[RunResult], kvbpt: int, block_size: int) -> CostModel:
+    """A cost model fitted to measured turns (in-sample calibration).
+
+    Prefill: turns that moved no KV (``none``/``local``): (computed, cached, ttft).
+    D->P reads: turns that read D (``dp_read``) with a transfer time: (bytes, transfer_s).
+    Peer reads have no per-request timing live; the p2p link falls back to the dp_read one.
+    Decode: (e2e - ttft) / response tokens, median.
+    """
+    pre, reads, tpot = [], [], []
+    for r in results:
+        for t in r.ok_turns:
+            if t.reuse_path in ("none", "local") and t.computed_tokens > 0 and t.ttft_s > 0:
+                pre.append(PrefillSample(t.computed_tokens, t.reused_tokens, t.ttft_s))
+            if t.reuse_path == "dp_read" and t.transfer_s > 0:
+                reads.append(ReadSample(t.reused_tokens * kvbpt, t.transfer_s))
+            if t.response_tokens > 1:
+                tpot.append((t.e2e_s - t.ttft_s) / t.response_tokens)
+    a, b, c = fit_prefill(pre)
+    links: dict[str, LinkModel] = {}
+    if len({s.bytes for s in reads}) >= 2:
+        links["dp_read"] = fit_link(reads)
+    elif reads:
+        bw = sum(s.bytes for s in reads) / sum(s.seconds for s in reads)
+        links["dp_read"] = LinkModel(setup_s=0.0, bytes_per_s=bw)
+    else:  # nothing measured: FACTS.md's NIXL-on-CPU figure (~4 GB/s), stated as such
+        links["dp_read"] = LinkModel(setup_s=0.002, bytes_per_s=4e9)
+    links["p2p"] = links["dp_read"]
+    return CostModel(kv_bytes_per_token=kvbpt, prefill_a_s=a, prefill_b_s_per_token=b,
+                     prefill_c_s_per_token_ctx=c, reads=links, block_size=block_size,
+                     decode_s_per_token=max(0.0, statistics.median(tpot)) if tpot else 0.0)
+
+
+def prior_cost_model(kvbpt: int, block_size: int = 32) -> CostModel:
+    """Cost model used when nothing was measured (``--simulate`` without ``--cost``):
+    tiny-model-on-this-CPU magnitudes; say so in the report."""
+    link = LinkModel(setup_s=0.002, bytes_per_s=4e9)
+    return CostModel(kv_bytes_per_token=kvbpt, prefill_a_s=0.01, prefill_b_s_per_token=2e-4,
+                     prefill_c_s_per_token_ctx=2e-8, decode_s_per_token=0.004,
+                     reads={"dp_read": link, "p2p": link}, block_size=block_size)
+
+
+def _simulate(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill: int,
+              decode: int, block_size: int) -> list[RunResult]:
+    from kvtier.ab.simulator import FleetSpec, simulate
+
+    fleet = FleetSpec(prefill=prefill, decode=decode, block_size=block_size)
+    return [simulate(trace, s.scaled(1.0), fleet, cost) for s in specs]
+
+
+# ----------------------------------------------------------------- kvtier ab ---------
+def run_ab(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    kvbpt, max_ctx = model_facts(model_dir)
+    max_ctx = min(max_ctx, args.max_model_len)
+    if args.trace:
+        trace = Trace.load(args.trace)
+    else:
+        trace = default_trace(max_ctx, args.conversations, args.turns, args.seed)
+    specs = [s.topology(args.prefill, args.decode)
+             for s in parse_list(args.strategies, args.decode_ttl)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace.save(out / "trace.jsonl")
+    cost = CostModel.model_validate_json(Path(args.cost).read_text()) if args.cost else None
+    meta = {"model": f"{args.model} ({model_dir})", "trace": trace.name,
+            "conversations": len(trace.conversations),
+            "turns": sum(len(c.turns) for c in trace.conversations),
+            "time_scale": args.time_scale,
+            "topology": f"{args.prefill}P{args.decode}D local vLLM stack, block size "
+                        f"{args.block_size}, KV {kvbpt} B/token"}
+    if args.simulate:
+        cost = cost or prior_cost_model(kvbpt, args.block_size)
+        specs = [s.with_cost_model(cost) for s in specs]
+        results = _simulate(trace, specs, cost, args.prefill, args.decode, args.block_size)
+        meta.update(mode="simulated", cost_model=cost.model_dump(),
+                    cost_model_source=args.cost or "built-in prior (not measured)")
+        md = write_report(results, out, meta)
+        print(summary_table(results))
+        print(f"\nreport: {md}")
+        return 0
+
+    from kvtier.router.ab_runner import MEASUREMENT, RunOptions, run_strategy
+
+    opts = RunOptions(model=str(model_dir), time_scale=args.time_scale,
+                      block_size=args.block_size, kv_bytes_per_token=kvbpt,
+                      log_dir=out / "logs", progress=not args.no_progress)
+    results: list[RunResult] = []
+    t0 = time.time()
+    for s in specs:
+        if s.adaptive:
+            c = cost
+            if c is None and results:
+                c = fit_from_records(results, kvbpt, args.block_size)
+            if c is not None:
+                s = s.with_cost_model(c)
+                log.info("%s: thresholds from the cost model: kv_recompute_threshold=%d "
+                         "min_cached_token_delta=%d", s.name, s.kv_recompute_threshold,
+                         s.min_cached_token_delta)
+        results.append(run_strategy(s, trace, opts))
+    meta.update(mode="live", measurement=MEASUREMENT, wall_s=round(time.time() - t0, 1))
+    simulated = None
+    try:
+        fitted = fit_from_records(results, kvbpt, args.block_size)
+        # the simulator replays wall-clock waits: scale the trace like the live run
+        simulated = _simulate(_scaled_trace(trace, args.time_scale),
+                              [s.scaled(args.time_scale) for s in specs], fitted,
+                              args.prefill, args.decode, args.block_size)
+        meta.update(cost_model=fitted.model_dump(),
+                    cost_model_source="fitted to this run's turns (in-sample)",
+                    recommendation=fitted.recommend().model_dump())
+    except Exception as e:  # noqa: BLE001 - the measured report stands without the simulator
+        log.warning("simulator comparison skipped: %s", e)
+        meta["simulator_skipped"] = str(e)
+    md = write_report(results, out, meta, simulated=simulated)
+    print(summary_table(results))
+    print(f"\nreport: {md}")
+    return 0 if all(r.ok_turns for r in results) else 1
+
+
+def _scaled_trace(trace: Trace, k: float) -> Trace:
+    if k == 1.0:
+        return trace
+    from kvtier.ab.traces import ConversationSpec, TurnSpec
+
+    convs = [ConversationSpec(c.conversation_id, c.start_s * k, c.seed,
+                              [TurnSpec(t.new_tokens, t.response_tokens, t.wait_s * k,
+                                        t.strip_reasoning) for t in c.turns])
+             for c in trace.conversations]
+    return Trace(trace.name, trace.vocab_size, convs)
+
+
+# ----------------------------------------------------------------- kvtier calibrate --
+def calibration_trace(max_context: int) -> Trace:
+    """Fresh prompts of growing size, each followed by turns that add growing deltas."""
+    from kvtier.ab.traces import ConversationSpec, TurnSpec
+
+    convs = []
+    sizes = [n for n in (64, 256, 512, 1024, 2048, 4096) if n * 2 < max_context]
+    for k, n in enumerate(sizes):
+        turns = [TurnSpec(n, 8, 0.0)]
+        for d in (32, 128, 512):
+            if n * 2 + d + 64 < max_context:
+                turns.append(TurnSpec(d, 8, 0.0))
+        convs.append(ConversationSpec(f"cal{k}", 0.0, 1000 + k, turns))
+    return Trace("calibration", 4096, convs)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    kvbpt, max_ctx = model_facts(model_dir)
+    max_ctx = min(max_ctx, args.max_model_len)
+    trace = calibration_trace(max_ctx)
+    if args.simulate:
+        truth = prior_cost_model(kvbpt, args.block_size)
+        results = _simulate(trace, parse_list("recompute,device-ttl"), truth, 1, 1,
+                            args.block_size)
+        source = "simulated stack (built-in prior); the fit must recover it"
+    elif args.stack:
+        results = [_calibrate_against(args.stack, trace, Path(model_dir).name)]
+        source = f"router at {args.stack} (TTFT = latency of 1-token turns)"
+    else:
+        from kvtier.router.ab_runner import RunOptions, run_strategy
+
+        opts = RunOptions(model=str(model_dir), block_size=args.block_size,
+                          kv_bytes_per_token=kvbpt, log_dir=Path(args.log_dir),
+                          progress=not args.no_progress)
+        results = [run_strategy(s, trace, opts) for s in parse_list("recompute,device-ttl")]
+        source = "local 1P1D stack (recompute + device-ttl runs of a calibration sweep)"
+    cost = fit_from_records(results, kvbpt, args.block_size)
+    rec = cost.recommend()
+    print(f"calibrated on: {source}")
+    print(f"prefill_s(new, cached) = {cost.prefill_a_s * 1e3:.3g} ms + "
+          f"{cost.prefill_b_s_per_token * 1e6:.3g} us*new + "
+          f"{cost.prefill_c_s_per_token_ctx * 1e9:.3g} ns*new*(cached+new/2)")
+    for p, link in cost.reads.items():
+        print(f"read {p}: setup {link.setup_s * 1e3:.3g} ms, {link.bytes_per_s / 1e9:.3g} GB/s")
+    print(f"recommended kv_recompute_threshold = {rec.kv_recompute_threshold}")
+    print(f"recommended min_cached_token_delta = {rec.min_cached_token_delta}")
+    print(rec.explanation)
+    if args.out:
+        Path(args.out).write_text(cost.model_dump_json(indent=2))
+        print(f"cost model: {args.out}")
+    return 0
+
+
+def _calibrate_against(url: str, trace: Trace, model: str) -> RunResult:
+    """Against a running router: 1-token turns, latency as TTFT (no leg split available)."""
+    import httpx
+
+    from kvtier.ab.records import TurnRecord
+    from kvtier.ab.traces import token_ids
+
+    recs = []
+    with httpx.Client(base_url=url.rstrip("/"), timeout=600) as c:
+        for conv in trace.conversations:
+            hist: list[int] = []
+            for i, t in enumerate(conv.turns):
+                prompt = [*hist, *token_ids(conv, i, t.new_tokens, trace.vocab_size)]
+                t0 = time.perf_counter()
+                r = c.post("/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "return_token_ids": True, "conversation_id": f"cal-{conv.conversation_id}"})
+                dt = time.perf_counter() - t0
+                r.raise_for_status()
+                out = r.json()
+                gen = out["choices"][0].get("token_ids") or []
+                cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get(
+                    "cached_tokens") or 0
+                recs.append(TurnRecord("calibrate", conv.conversation_id, i, len(prompt), cached,
+                                       "local" if cached else "none", len(prompt) - cached, dt,
+                                       dt, 0.0, 0.0, "", len(gen)))
+                hist = [*prompt, *gen]
+    return RunResult("calibrate", recs)
+
+
+# ----------------------------------------------------------------- kvtier demo -------
+def run_demo(args: argparse.Namespace) -> int:
+    ns = argparse.Namespace(
+        model="tiny", strategies=args.strategies, trace=None, out=args.out,
+        time_scale=args.time_scale, simulate=False, conversations=3, turns=4, seed=0,
+        decode_ttl=None, prefill=1, decode=1, block_size=32, max_model_len=2048, cost=None,
+        no_progress=False)
+    return run_ab(ns)
+
+
+# ----------------------------------------------------------------- registration ------
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="tiny | bench | model directory")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="context cap for generated traces (the stack's max_model_len)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("ab", help="A/B-compare retention strategies on one trace",
+                              description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--strategies", default="recompute,device-ttl,host-p2p,tiered",
+                   help=f"comma list of {', '.join(STRATEGY_NAMES)}")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--trace", help="trace file (JSONL, kvtier.ab.traces format)")
+    g.add_argument("--synthetic", action="store_true", help="generate a trace (default)")
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="ab-report")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply waits (and device TTLs) by this; <1 shortens a run")
+    p.add_argument("--decode-ttl", type=float, default=None,
+                   help="device TTL (s) for strategies that retain on decode")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--cost", help="CostModel JSON (from kvtier calibrate --out)")
+    p.add_argument("--simulate", action="store_true",
+                   help="run the discrete-event simulator instead of the live stack")
+    _common(p)
+    p.set_defaults(func=run_ab)
+
+    c = subparsers.add_parser("calibrate", help="fit the cost model; print thresholds")
+    c.add_argument("--stack", help="router URL of a running stack (default: start a local one)")
+    c.add_argument("--simulate", action="store_true", help="calibrate against the simulator")
+    c.add_argument("--out", help="write the fitted CostModel JSON here")
+    c.add_argument("--log-dir", default="ab-calibrate-logs")
+    _common(c)
+    c.set_defaults(func=run_calibrate)
+
+    d = subparsers.add_parser("demo", help="a short A/B on the tiny model (what ./run demo runs)")
+    d.add_argument("--strategies", default=DEMO_STRATEGIES)
+    d.add_argument("--out", default="ab-demo")
+    d.add_argument("--time-scale", type=float, default=0.1)
+    d.set_defaults(func=run_demo)
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - convenience
+    ap = argparse.ArgumentParser(prog="kvtier")
+    register(ap.add_subparsers(dest="command"))
+    a = ap.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

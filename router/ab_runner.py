@@ -1,0 +1,455 @@
+"""The live A/B runner: replay one trace through each strategy's real stack.
+
+For every strategy: start its stack (``LocalStack``, ≤ 3 instances, one at a
+time under the machine-wide lock), the indexer in-process when the strategy
+uses it, and the router (``RouterServer``); replay the trace (conversation
+starts and tool waits multiplied by ``time_scale``, every conversation on its
+own thread, so the trace's own overlap is the concurrency); record each turn
+and sample memory; stop everything (``try/finally``).
+
+How each number is measured (also written into the report, ``MEASUREMENT``):
+
+- The runner talks to the router like ``kvtier.router.client.Conversation``
+  (token-id history, non-streaming completions, ``ignore_eos`` so a turn
+  generates exactly the trace's ``response_tokens``) and tags every turn with
+  an ``x-request-id``, which the router forwards on both legs. The router runs
+  with a ``LegTap`` transport that times every upstream leg and keeps its
+  request/response ``kv_transfer_params`` and usage, keyed by that id.
+- ``ttft_s``: client send -> the router's prefill leg answered (the first token
+  exists on P; router overhead, indexer calls, D->P/peer reads and the prompt's
+  prefill are inside). The P->D KV move and decode are in ``e2e_s`` only. When
+  the router fell back to one instance (no P/D), ttft = e2e.
+- ``reused_tokens``: the prefill's ``usage.prompt_tokens_details.cached_tokens``
+  (vLLM counts tokens it did not compute: connector-loaded and local cache);
+  ``computed_tokens`` = prompt - reused.
+- ``reuse_path``: from the prefill leg's request: D's block ids -> ``dp_read``;
+  ``remote_kv_source`` -> ``p2p``; otherwise ``local`` if cached_tokens > 0,
+  else ``none``.
+- ``transfer_s``: the prefill instances' ``vllm:nixl_xfer_time_seconds_sum``
+  over the strategy's run, split over reusing turns by transferred tokens (vLLM
+  exports no per-request transfer time; peer reads of the host tier are not in
+  this metric).
+- ``device_blocks_retained``: a ledger of what decode nodes pin: after each
+  turn D returns ``remote_num_tokens`` it keeps for ``decoder_kv_blocks_ttl``;
+  the blocks are freed when a prefill reads them or at D's TTL.
+  The engines' ``vllm:kv_cache_usage_perc`` is sampled too (``meta``).
+- ``host_bytes_held``: host-tier blocks per the tier's KV events (indexer
+  counters: stored - removed, medium CPU) x block bytes from the model config.
+
+Threading model: ``run_strategy`` is called from one thread; it owns one
+thread per conversation, a sampler thread, and the router/indexer server
+threads, and joins or stops all of them before it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvtier.ab.records import MemorySample, RunResult, TurnRecord
+from kvtier.ab.strategies import StrategySpec
+from kvtier.ab.traces import ConversationSpec, Trace, token_ids
+from kvtier.router.config import RouterConfig
+from kvtier.router.server import RouterServer
+from kvtier.stack import LocalStack, StackSpec
+
+log = logging.getLogger("kvtier.ab")
+
+LOCK_PATH = os.environ.get("KVTIER_E2E_LOCK", "/tmp/kvtier-e2e.lock")
+
+MEASUREMENT = {
+    "ttft_s": "client send -> router's prefill leg answered (first token computed on P; includes "
+              "router, indexer, D->P/peer reads, prefill). P->D move and decode only in e2e_s",
+    "e2e_s": "client send -> full non-streaming answer from the router",
+    "reused_tokens": "prefill's usage.prompt_tokens_details.cached_tokens (connector-loaded + "
+                     "local cache); computed = prompt - reused",
+    "reuse_path": "from the prefill leg's kv_transfer_params: D's block ids = dp_read, "
+                  "remote_kv_source = p2p, else local if cached_tokens > 0, else none",
+    "transfer_s": "prefill instances' vllm:nixl_xfer_time_seconds_sum over the run, split over "
+                  "reusing turns by transferred tokens (peer host-tier reads not included)",
+    "device_blocks_retained": "ledger of decode-pinned KV: D's remote_num_tokens after each turn, "
+                              "held until a prefill reads it or D's decoder_kv_blocks_ttl ends",
+    "host_bytes_held": "host-tier blocks (tier KV events, stored - removed, via the indexer) x "
+                       "block bytes from the model config",
+    "engine_kv_usage": "engines' vllm:kv_cache_usage_perc, sampled with memory (meta)",
+}
+
+
+# ----------------------------------------------------------------- leg tap -----------
+@dataclass
+class Leg:
+    inst: str
+    role: str          # "prefill" | "decode" | "direct"
+    t0: float
+    t1: float
+    req_kvp: dict | None
+    resp: dict | None
+
+
+class LegTap(httpx.AsyncBaseTransport):
+    """Router transport that forwards everything and records completion legs by request id."""
+
+    def __init__(self, roles: dict[str, tuple[str, str]]):
+        self.inner = httpx.AsyncHTTPTransport()
+        self.roles = roles  # url -> (instance name, role)
+        self.legs: dict[str, list[Leg]] = {}
+        self._lock = threading.Lock()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        rid = request.headers.get("x-request-id")
+        if rid is None or request.method != "POST" or not request.url.path.endswith("completions"):
+            return await self.inner.handle_async_request(request)
+        body = json.loads(await request.aread() or b"{}")
+        t0 = time.perf_counter()
+        resp = await self.inner.handle_async_request(request)
+        raw = await resp.aread()
+        t1 = time.perf_counter()
+        try:
+            out = json.loads(raw) if resp.status_code == 200 else None
+        except ValueError:
+            out = None
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        name, role = self.roles.get(base, (base, "?"))
+        kvp = body.get("kv_transfer_params")
+        if kvp is None:
+            role = "direct"
+        elif kvp.get("do_remote_decode"):
+            role = "prefill"
+        else:
+            role = "decode"
+        with self._lock:
+            self.legs.setdefault(rid, []).append(Leg(name, role, t0, t1, kvp, out))
+        headers = [(k, v) for k, v in resp.headers.raw
+                   if k.lower() not in (b"content-length", b"transfer-encoding")]
+        return httpx.Response(resp.status_code, headers=headers, content=raw,
+                              extensions=resp.extensions)
+
+    def take(self, rid: str) -> list[Leg]:
+        with self._lock:
+            return self.legs.pop(rid, [])
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+# ----------------------------------------------------------------- device ledger -----
+class DeviceLedger:
+    """What decode nodes pin between turns (see the module docstring)."""
+
+    def __init__(self, block_size: int, ttl_s: float | None, router_margin_s: float = 0.0):
+        self.bs, self.ttl, self.margin = block_size, ttl_s, router_margin_s
+        # conversation -> [(blocks, freed_at)]: D pins each turn's KV until read or TTL
+        self._held: dict[str, list[tuple[int, float]]] = {}
+        self._lock = threading.Lock()
+
+    def retained(self, conv: str, tokens: int, now: float) -> None:
+        if self.ttl:
+            with self._lock:
+                self._held.setdefault(conv, []).append((math.ceil(tokens / self.bs),
+                                                        now + self.ttl))
+
+    def read(self, conv: str) -> None:
+        """A prefill read the latest retained KV: D frees it."""
+        with self._lock:
+            held = self._held.get(conv)
+            if held:
+                held.pop()
+
+    def expired(self, conv: str, now: float) -> bool:
+        """The router's entry for ``conv`` had expired at ``now`` (it drops it ``margin`` early)."""
+        with self._lock:
+            held = self._held.get(conv)
+            return bool(held) and held[-1][1] - self.margin <= now
+
+    def blocks(self, now: float) -> int:
+        with self._lock:
+            return sum(b for h in self._held.values() for b, until in h if until > now)
+
+
+# ----------------------------------------------------------------- helpers -----------
+def scrape(client: httpx.Client, url: str, name: str) -> float:
+    """Sum of every sample of one Prometheus metric on ``url`` (0 when absent)."""
+    try:
+        text = client.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return float("nan")
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            try:
+                total += float(line.rsplit(None, 1)[1])
+            except (ValueError, IndexError):
+                pass
+    return total
+
+
+class _UvicornThread:
+    def __init__(self, app, host: str = "127.0.0.1"):
+        import uvicorn
+
+        s = socket.socket()
+        s.bind((host, 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="kvtier-ab-idx")
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("indexer server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def indexer_for(stack: LocalStack, model_name: str, block_size: int) -> Iterator[tuple]:
+    """In-process indexer subscribed to every instance's host-tier events, served over HTTP."""
+    from kvtier.indexer.config import IndexerConfig, PodSpec
+    from kvtier.indexer.http import build_app
+    from kvtier.indexer.service import IndexerService
+
+    pods = [PodSpec(name=i.spec.name, events=f"tcp://127.0.0.1:{i.spec.tier_events_port}",
+                    replay=f"tcp://127.0.0.1:{i.spec.tier_replay_port}",
+                    p2p=f"127.0.0.1:{i.spec.tier_p2p_port}") for i in stack.instances]
+    cfg = IndexerConfig(port=0, pods=tuple(pods), default_model=model_name,
+                        block_size=block_size)
+    svc = IndexerService(cfg)
+    svc.start()
+    try:
+        with _UvicornThread(build_app(svc)) as srv:
+            yield svc, srv.url
+    finally:
+        svc.stop()
+
+
+@contextlib.contextmanager
+def locked_stack(spec: StackSpec, log_dir: Path) -> Iterator[LocalStack]:
+    """A LocalStack under the machine-wide e2e lock (one stack at a time on this machine)."""
+    with open(LOCK_PATH, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            with LocalStack(spec, log_dir) as stack:
+                yield stack
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+StackProvider = Callable[[StackSpec, Path], contextlib.AbstractContextManager]
+
+
+# ----------------------------------------------------------------- the run -----------
+@dataclass
+class RunOptions:
+    model: str                    # model directory
+    time_scale: float = 1.0
+    sample_interval_s: float = 0.5
+    block_size: int = 32
+    kv_bytes_per_token: int = 0   # host bytes = blocks x block_size x this
+    log_dir: Path = field(default_factory=lambda: Path("ab-logs"))
+    progress: bool = True
+    turn_timeout_s: float = 600.0
+
+
+def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
+                 stack_provider: StackProvider = locked_stack,
+                 stack: LocalStack | None = None) -> RunResult:
+    """Run ``trace`` through ``spec``'s stack. ``stack``: an already running one (tests)."""
+    spec = spec.scaled(opts.time_scale)
+    sspec = spec.stack_spec(opts.model, block_size=opts.block_size)
+    if stack is not None:
+        return _run_on(spec, trace, opts, stack)
+    with stack_provider(sspec, opts.log_dir / spec.name) as st:
+        return _run_on(spec, trace, opts, st)
+
+
+def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack) -> RunResult:
+    model_name = Path(opts.model).name
+    with contextlib.ExitStack() as es:
+        idx_svc, idx_url = (es.enter_context(indexer_for(stack, model_name, opts.block_size))
+                            if spec.use_indexer else (None, None))
+        roles = {i.url: (i.spec.name, i.spec.role.value) for i in stack.instances}
+        tap = LegTap(roles)
+        rcfg = RouterConfig.model_validate({
+            "instances": [{"name": i.spec.name, "url": i.url, "role": i.spec.role.value}
+                          for i in stack.instances],
+            "indexer": idx_url, "indexer_model": model_name if idx_url else None,
+            "port": 0, "log_json": False, "block_size": opts.block_size,
+            **spec.router_settings()})
+        srv = es.enter_context(RouterServer(rcfg, transport=tap))
+        http = es.enter_context(httpx.Client(timeout=30))
+        return _replay(spec, trace, opts, stack, srv.url, tap, idx_svc, http, model_name)
+
+
+def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack, url: str,
+            tap: LegTap, idx_svc, http: httpx.Client, model_name: str) -> RunResult:
+    ledger = DeviceLedger(opts.block_size, spec.decode_ttl_s if spec.device_retention else None,
+                          spec.router_settings().get("ttl_margin_s", 0.0))
+    records: list[TurnRecord] = []
+    memory: list[MemorySample] = []
+    usage: list[dict] = []
+    rec_lock = threading.Lock()
+    stop = threading.Event()
+    prefill_urls = [i.url for i in stack.prefill]
+    xfer0 = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in prefill_urls)
+    total = sum(len(c.turns) for c in trace.conversations)
+    bar = _bar(total, spec.name, opts.progress)
+    t_run = time.perf_counter()
+    block_bytes = opts.block_size * opts.kv_bytes_per_token
+
+    def host_bytes() -> int:
+        if idx_svc is None:
+            return 0
+        d = idx_svc.pod_details()
+        return sum(max(0, p["blocks_stored"] - p["blocks_removed"]) for p in d.values()) \
+            * block_bytes
+
+    def sampler() -> None:
+        with httpx.Client(timeout=5) as c:
+            while True:
+                now = time.perf_counter()
+                memory.append(MemorySample(spec.name, now - t_run, ledger.blocks(now),
+                                           host_bytes()))
+                usage.append({"t": now - t_run, **{
+                    i.spec.name: scrape(c, i.url, "vllm:kv_cache_usage_perc")
+                    for i in stack.instances}})
+                if stop.wait(opts.sample_interval_s):
+                    return
+
+    def one(conv: ConversationSpec) -> None:
+        delay = conv.start_s * opts.time_scale - (time.perf_counter() - t_run)
+        if delay > 0:
+            time.sleep(delay)
+        cid = f"{spec.name}-{conv.conversation_id}-{uuid.uuid4().hex[:6]}"
+        history: list[int] = []
+        last: tuple[list[int], list[int]] | None = None  # (prompt, generated) of the last turn
+        with httpx.Client(base_url=url, timeout=opts.turn_timeout_s) as c:
+            for i, turn in enumerate(conv.turns):
+                if i and turn.wait_s > 0:
+                    time.sleep(turn.wait_s * opts.time_scale)
+                if i and turn.strip_reasoning and last is not None:
+                    # The client drops the reasoning that opened the last answer.
+                    history = [*last[0], *last[1][turn.strip_reasoning:]]
+                prompt = [*history, *token_ids(conv, i, turn.new_tokens, trace.vocab_size)]
+                rid = f"{cid}:{i}"
+                t0 = time.perf_counter()
+                expired = ledger.expired(cid, t0)
+                gen: list[int] | None = None
+                err = ""
+                try:
+                    gen = _complete(c, model_name, cid, rid, prompt, turn.response_tokens)
+                except Exception as e:  # noqa: BLE001 - a failed turn is a record, not a crash
+                    err = f"{type(e).__name__}: {e}"[:300]
+                t1 = time.perf_counter()
+                r = _record(spec.name, conv.conversation_id, i, t0 - t_run, t0, t1,
+                            tap.take(rid), len(prompt), gen, err, ledger, cid, expired)
+                with rec_lock:
+                    records.append(r)
+                bar.update(1)
+                if gen is None:
+                    break  # the history is unknown now: end this conversation
+                last = (prompt, gen)
+                history = [*prompt, *gen]
+
+    sampler_t = threading.Thread(target=sampler, daemon=True, name="kvtier-ab-sampler")
+    sampler_t.start()
+    threads = [threading.Thread(target=one, args=(c,), daemon=True,
+                                name=f"kvtier-ab-{c.conversation_id}")
+               for c in trace.conversations]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
+        sampler_t.join(timeout=10)
+        bar.close()
+    t_end = time.perf_counter() - t_run
+    xfer = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in prefill_urls) - xfer0
+    _split_transfer(records, xfer)
+    records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
+    return RunResult(spec.name, records, memory, {
+        "t_end": t_end, "strategy_spec": spec.model_dump(), "nixl_xfer_time_s": xfer,
+        "engine_kv_usage": usage, "instances": [d["name"] for d in stack.describe()],
+        "topology": f"{len(stack.prefill)}P{len(stack.decode)}D"})
+
+
+def _complete(c: httpx.Client, model: str, cid: str, rid: str, prompt: list[int],
+              max_tokens: int) -> list[int]:
+    """One turn through the router: token-list prompt, exact ids back (see router/client.py).
+    ``ignore_eos`` makes the turn generate exactly the trace's response length."""
+    body = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
+            "ignore_eos": True, "return_token_ids": True, "conversation_id": cid}
+    r = c.post("/v1/completions", json=body, headers={"x-request-id": rid})
+    r.raise_for_status()
+    ids = r.json()["choices"][0].get("token_ids")
+    if not isinstance(ids, list):
+        raise ValueError("router answer has no token_ids")
+    return ids
+
+
+def _record(strategy: str, conv_id: str, i: int, t_start: float, t0: float, t1: float,
+            legs: list[Leg], prompt: int, gen: list[int] | None, err: str,
+            ledger: DeviceLedger, cid: str, expired: bool) -> TurnRecord:
+    pre = next((g for g in legs if g.role == "prefill" and g.resp is not None), None)
+    dec = next((g for g in reversed(legs) if g.role in ("decode", "direct")
+                and g.resp is not None), None)
+    reused, path, ttft = 0, "none", t1 - t0
+    if pre is not None:
+        ttft = pre.t1 - t0
+        details = (pre.resp.get("usage") or {}).get("prompt_tokens_details") or {}
+        reused = int(details.get("cached_tokens") or 0)
+        kvp = pre.req_kvp or {}
+        path = ("dp_read" if kvp.get("remote_block_ids") else
+                "p2p" if kvp.get("remote_kv_source") else "local" if reused else "none")
+        if path == "dp_read":
+            ledger.read(cid)
+    outcome = ("none" if i == 0 else "full" if path == "dp_read" else
+               "expired" if expired else "none")
+    if dec is not None and dec.role == "decode":
+        kvp = dec.resp.get("kv_transfer_params") or {}
+        n = kvp.get("remote_num_tokens")
+        if kvp.get("remote_block_ids") and isinstance(n, int):
+            ledger.retained(cid, n, time.perf_counter())
+    return TurnRecord(strategy, conv_id, i, prompt, reused, path, max(0, prompt - reused),
+                      ttft, t1 - t0, 0.0, t_start, outcome,
+                      len(gen) if gen is not None else 0, gen is not None, err)
+
+
+def _split_transfer(records: list[TurnRecord], total_s: float) -> None:
+    if not (total_s > 0):
+        return
+    movers = [r for r in records if r.ok and r.reuse_path in ("dp_read", "p2p")
+              and r.reused_tokens > 0]
+    tokens = sum(r.reused_tokens for r in movers)
+    for r in movers:
+        r.transfer_s = total_s * r.reused_tokens / tokens
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{desc:>16}", unit="turn", disable=not enabled,
+                dynamic_ncols=True, leave=True)
