@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -86,9 +86,20 @@ class _Retained:
 class _Decode:
     active_blocks: int = 0
     retained: OrderedDict[ConversationId, _Retained] = field(default_factory=OrderedDict)
+    retained_total: int = 0  # sum of retained[*].blocks, kept incrementally (sampled every event)
 
     def retained_blocks(self) -> int:
-        return sum(r.blocks for r in self.retained.values())
+        return self.retained_total
+
+    def retain(self, r: _Retained) -> None:
+        self.release(r.conv)
+        self.retained[r.conv] = r
+        self.retained_total += r.blocks
+
+    def release(self, conv: ConversationId) -> None:
+        r = self.retained.pop(conv, None)
+        if r is not None:
+            self.retained_total -= r.blocks
 
 
 @dataclass
@@ -122,7 +133,7 @@ class _Host:
 
 @dataclass
 class _Prefill:
-    queue: list[tuple[float, ConversationId, int]] = field(default_factory=list)  # arrival, conv, turn
+    queue: deque[tuple[float, ConversationId, int]] = field(default_factory=deque)  # arrival, conv, turn
     busy_until: float = 0.0
     busy: bool = False
     cache: OrderedDict[ConversationId, int] = field(default_factory=OrderedDict)  # conv -> tokens cached
@@ -170,6 +181,8 @@ class _Sim:
         self.records: list[TurnRecord] = []
         self.memory: list[MemorySample] = []
         self.pending: dict[tuple[ConversationId, int], dict] = {}
+        self.dev_total = 0  # retained device blocks, all decodes (kept incrementally: sampled every event)
+        self.host_total = 0  # host bytes held, all pods
         self.counters = {"evicted_device": 0, "expired_device": 0, "decode_overcommit": 0}
         self.now = 0.0
 
@@ -179,8 +192,7 @@ class _Sim:
         self.seq += 1
 
     def sample_memory(self) -> None:
-        dev = sum(d.retained_blocks() for d in self.decodes)
-        host = sum(h.used for h in self.hosts)
+        dev, host = self.dev_total, self.host_total
         last = self.memory[-1] if self.memory else None
         if last is not None and (last.device_blocks_retained, last.host_bytes_held) == (dev, host):
             return
@@ -221,7 +233,7 @@ class _Sim:
         pf = self.prefills[i]
         if pf.busy or not pf.queue:
             return
-        arrival, conv, turn = pf.queue.pop(0)
+        arrival, conv, turn = pf.queue.popleft()
         pf.busy = True
         spec = self.convs[conv].turns[turn]
         plan = self.plans[conv][turn]
@@ -307,12 +319,17 @@ class _Sim:
         dec.active_blocks -= blocks
         tokens = self.plans[conv][turn].context_after
         if self.p.ttl_s > 0:
-            dec.retained[conv] = _Retained(conv, blocks, tokens, self.now + self.p.ttl_s)
+            before = dec.retained_total
+            dec.retain(_Retained(conv, blocks, tokens, self.now + self.p.ttl_s))
+            self.dev_total += dec.retained_total - before
             self.push(self.now + self.p.ttl_s, _EXPIRE, (d, conv, self.now + self.p.ttl_s))
             if dec.active_blocks + dec.retained_blocks() > self.fleet.device_blocks_per_decode:
                 self.make_room(d, 0, conv)
         if self.p.host_copy:
-            self.hosts[d].store(conv, tokens, tokens * self.cost.kv_bytes_per_token)
+            host = self.hosts[d]
+            before = host.used
+            host.store(conv, tokens, tokens * self.cost.kv_bytes_per_token)
+            self.host_total += host.used - before
         turns = self.convs[conv].turns
         if turn + 1 < len(turns):
             self.push(self.now + turns[turn + 1].wait_s, _ARRIVE, (conv, turn + 1))
@@ -325,7 +342,10 @@ class _Sim:
 
     # -- memory helpers -----------------------------------------------------------------------
     def release_retained(self, d: int, conv: ConversationId) -> None:
-        self.decodes[d].retained.pop(conv, None)
+        dec = self.decodes[d]
+        before = dec.retained_total
+        dec.release(conv)
+        self.dev_total += dec.retained_total - before
 
     def make_room(self, d: int, blocks: int, keep: ConversationId) -> None:
         """Evict retained KV (oldest first, ``keep``'s last) until ``blocks`` more fit."""

@@ -90,6 +90,9 @@ def test_host_p2p_never_holds_device_blocks():
     r = simulate(_trace(wait=50.0), "host-p2p", FLEET, _cost())
     assert all(m.device_blocks_retained == 0 for m in r.memory)
     assert r.device_block_seconds() == 0 and r.host_gb_seconds() > 0
+    # no eviction here: at the end each conversation's last context is held, once
+    final = sum(turn_plan(c)[-1].context_after for c in _trace(wait=50.0).conversations) * 2048
+    assert r.memory[-1].host_bytes_held == final
     assert all(t.reuse_path == "p2p" for t in r.follow_ups)
     assert r.reuse_rate() > 0.8
 
