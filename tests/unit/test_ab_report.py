@@ -34,9 +34,10 @@ def test_report_files_and_numbers(tmp_path):
     for p in PLOTS:
         assert (tmp_path / p).stat().st_size > 1000, p
     assert "synthetic-test" in text and "tiny" in text and "CPUs" in text
-    env = environment_meta()
-    assert env["git_commit"] and env["git_commit"] in text
     doc = json.loads((tmp_path / "report.json").read_text())
+    commit = doc["meta"]["environment"]["git_commit"]  # others may commit meanwhile: use the report's
+    assert len(commit) == 40 and commit in text
+    assert doc["meta"]["environment"]["cpu_count"] == environment_meta()["cpu_count"]
     by = {s["strategy"]: s for s in doc["summary"]}
     assert by["device-ttl"]["device_block_s"] == pytest.approx(32.0)
     assert by["recompute"]["reuse_rate"] == 0.0
