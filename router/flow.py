@@ -215,11 +215,11 @@ class Router:
                 elif e.kind != "connect":
                     self._drop_reuse("rejected", reuse)
                     reuse = None
-                if e.kind in ("connect", "timeout"):
+                if e.kind in ("connect", "timeout", "protocol"):
                     tried.add(p_inst.name)
         if pre is None:
             self.metrics.retries.labels("prefill", "recompute").inc()
-            return await self._direct(inb, headers, reason="prefill_failed")
+            return await self._direct(inb, headers, reason="prefill_failed", avoid=tried)
         if ids is None and inb.conversation is not None:
             ids = _prompt_ids_of(inb.endpoint, pre)
         p_params = KVTransferParams.from_wire(pre.get("kv_transfer_params"))
@@ -257,14 +257,14 @@ class Router:
             except UpstreamError as e:
                 self.metrics.retries.labels("decode", "elsewhere").inc()
                 timed_out = timed_out or e.kind in ("timeout", "protocol")
-                if e.kind in ("connect", "timeout"):
+                if e.kind in ("connect", "timeout", "protocol"):
                     tried.add(d.name)
                 continue
             if capture:
                 self._retain(inb.conversation, tenant, d, ids, resp)  # type: ignore[arg-type]
             return self._answer(inb, resp, info)
         self.metrics.retries.labels("decode", "recompute").inc()
-        return await self._direct(inb, headers, reason="decode_failed")
+        return await self._direct(inb, headers, reason="decode_failed", avoid=tried)
 
     def _retain(self, conv: ConversationId, tenant: str, d: InstanceState,
                 ids: tuple[int, ...], resp: dict) -> None:
@@ -287,16 +287,19 @@ class Router:
             resp, inb.include_usage)
         return Reply(200, stream=_aiter(events), info=info)
 
-    async def _direct(self, inb: Inbound, headers: dict[str, str], reason: str) -> Reply:
-        """Serve the whole request on one instance (no P/D, no KV params)."""
-        tried: set[PodId] = set()
+    async def _direct(self, inb: Inbound, headers: dict[str, str], reason: str,
+                      avoid: set[PodId] | None = None) -> Reply:
+        """Serve the whole request on one instance (no P/D, no KV params).
+
+        Decode instances first (serving whole requests is their job), then
+        prefills; instances that already failed this request are skipped."""
+        tried: set[PodId] = set(avoid or ())
         info: dict[str, Any] = {"direct": reason, "reuse": "none"}
-        candidates = self.pool.decode + [p for p in self.pool.prefill
-                                         if p.name not in {d.name for d in self.pool.decode}]
         self.metrics.reuse.labels("none").inc()
         last: UpstreamError | None = None
         for _ in range(self.cfg.max_retries + 1):
-            inst = self.pool.choose(candidates, exclude=tried)
+            inst = (self.pool.choose([d for d in self.pool.decode if d.healthy], exclude=tried)
+                    or self.pool.choose(self.pool.decode + self.pool.prefill, exclude=tried))
             if inst is None:
                 break
             body = direct_body(inb)
@@ -362,7 +365,7 @@ class Router:
     def _fail(self, leg: str, inst: InstanceState, kind: str, detail: Any,
               hard: bool = False) -> UpstreamError:
         self.metrics.upstream_errors.labels(leg, kind).inc()
-        if kind in ("connect", "timeout"):
+        if kind in ("connect", "timeout", "protocol"):
             self.pool.mark_failed(inst, hard=hard)
             if hard:
                 dropped = self.store.discard_pod(inst.name)

@@ -346,7 +346,8 @@ def test_indexer_down_dead_and_reset_prefill_still_answer_correctly(http, stack)
              *({"name": i.spec.name, "url": i.url, "role": i.spec.role.value}
                for i in stack.instances)]
     cfg = router_config(stack, instances=insts, indexer=f"http://127.0.0.1:{dead_port}",
-                        max_retries=3, timeouts={"prefill_s": 2.0}, health_interval_s=60)
+                        max_retries=3, timeouts={"prefill_s": 8.0, "decode_idle_s": 60.0},
+                        health_interval_s=60)
     try:
         with RouterServer(cfg, health_checks=False) as srv:
             prompt = ids(21, 120)
@@ -354,7 +355,7 @@ def test_indexer_down_dead_and_reset_prefill_still_answer_correctly(http, stack)
                     "return_token_ids": True}
             ref = reference(http, stack, "/v1/completions", body)
             for n in range(4):  # round-robin walks into every faulty prefill
-                r = http.post(srv.url + "/v1/completions",
+                r = http.post(srv.url + "/v1/completions", timeout=300,
                               json={**body, "temperature": 0, "conversation_id": f"faults-{n}"})
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
