@@ -209,7 +209,8 @@ def projections(fits: dict[str, dict[str, Any]], results: dict[str, Any], scen: 
     shape = results["shapes"]["qwen3_32b"]
     weights = 2 * shape["params"]
     gpu_bytes = results["env"].get("gpu_memory_gib", 139.8) * 2**30
-    read_bw = results["ceilings"]["d2d_copy_tb_s_read_plus_write"] * 1e12 / 2
+    # A device copy moves read+write bytes at this rate; a read-only stream (decode) gets about the same.
+    read_bw = results["ceilings"]["d2d_copy_tb_s_read_plus_write"] * 1e12
     block_bytes = BLOCK * base.kv_bytes_per_token
     out: list[dict[str, Any]] = []
     for label, tp, ovh in (("h200x1 (as calibrated)", 1, 0.0), ("8xH200 TP8 + overhead", 8, scen["tp8_overhead_ms"] / 1e3)):
