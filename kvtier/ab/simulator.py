@@ -258,7 +258,12 @@ class _Sim:
         transfer = self.cost.read_s(path, n) if path else 0.0
         service = self.cost.ttft_s(path, prompt, n, local_tokens=local)
         if PD_TRANSFER in self.cost.reads:
-            service += self.cost.read_s(PD_TRANSFER, prompt)
+            # After a D->P read the decode node still has those blocks in its
+            # prefix cache (freed, not evicted), and vLLM's decode pulls only
+            # `tokens - num_computed_tokens` (nixl/pull_scheduler.py): the hand-off
+            # covers the newly computed tokens alone.
+            handoff = prompt - n if path == "dp_read" else prompt
+            service += self.cost.read_s(PD_TRANSFER, handoff)
         if ret is not None:
             # The next turn reads (or forgoes) D's copy; either way D frees it now:
             # vLLM's pinned blocks serve exactly one follow-up request.
