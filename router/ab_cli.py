@@ -120,7 +120,14 @@ def _simulate(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill:
 
 
 # ----------------------------------------------------------------- kvtier ab ---------
+def _quiet() -> None:
+    # one line per HTTP call / served request would bury the progress bar
+    for name in ("httpx", "kvtier.router"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def run_ab(args: argparse.Namespace) -> int:
+    _quiet()
     model_dir = resolve_model(args.model)
     kvbpt, max_ctx = model_facts(model_dir)
     max_ctx = min(max_ctx, args.max_model_len)
@@ -218,6 +225,7 @@ def calibration_trace(max_context: int) -> Trace:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    _quiet()
     model_dir = resolve_model(args.model)
     kvbpt, max_ctx = model_facts(model_dir)
     max_ctx = min(max_ctx, args.max_model_len)
