@@ -136,6 +136,9 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.events = TierEventPublisher(
                     self.cfg.events_endpoint, self.cfg.replay_endpoint, self.cfg.events_topic,
                     self.cfg.events_buffer_steps)
+            self.metrics = None
+            if self.cfg.metrics and self.cfg.metrics_port is not None:
+                self._start_metrics(tier, pool_tag)
         else:
             self.worker = TierWorker(pool_tag, num_slots, self.geometry.slot_bytes,
                                      self.geometry.num_blocks, self.geometry.layer_names)
@@ -156,6 +159,21 @@ class KVTierConnector(KVConnectorBase_V1):
         self.sched.peer = PeerClient(self.sched.tier, self.sched.lock, self.nixl, ident,
                                      self.cfg.peer_timeout_s)
         self.sched.min_delta = self.cfg.min_cached_token_delta
+
+    def _start_metrics(self, tier: HostTier, pool_tag: str) -> None:
+        from kvtier.tier_metrics import TierCollector, TierMetricsServer
+
+        assert self.sched is not None and self.cfg.metrics_port is not None
+        lock = self.sched.lock
+
+        def snapshot() -> dict:
+            with lock:
+                return tier.stats.snapshot()
+
+        collector = TierCollector(snapshot, tier.slot_bytes, tier.capacity_bytes,
+                                  self.cfg.pod or pool_tag, self.model)
+        self.metrics = TierMetricsServer(collector, self.cfg.metrics_port, self.cfg.metrics_host)
+        log.info("KVTierConnector metrics on %s", self.metrics.url)
 
     # -- worker role -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -201,6 +219,10 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.events.close()
             if self.peer_server is not None:
                 self.peer_server.close()
+            if self.sched.peer is not None:
+                self.sched.peer.close()
+            if self.metrics is not None:
+                self.metrics.close()
 
     # -- scheduler role ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request",

@@ -20,7 +20,8 @@ back frees the pin when the lease expires (``HostTier.expire_leases``).
 Threading model: ``PeerServer`` runs one daemon thread owning its REP
 socket; every tier call it makes holds the lock shared with the tier's other
 user (the connector's scheduler half). ``PeerClient`` is used by one thread
-(the scheduler), which holds that same lock around local tier calls.
+(the scheduler), which holds that same lock around local tier calls; its
+REQ sockets (one per peer, reused) never leave that thread.
 """
 
 from __future__ import annotations
@@ -175,18 +176,35 @@ class PeerClient:
     identity: Identity
     timeout_s: float = 5.0
     _peers: dict[str, tuple[str, int]] = field(default_factory=dict)  # endpoint -> agent, base
+    _socks: dict[str, zmq.Socket] = field(default_factory=dict)  # endpoint -> REQ socket
 
     def _call(self, endpoint: str, msg: Request) -> Reply:
-        sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
+        # One REQ socket per peer, kept across calls (a fetch makes two calls;
+        # a fresh TCP connection each time cost more than the lookup itself).
+        # A REQ socket that timed out is stuck mid-exchange: drop it.
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        ok = False
+        try:
             sock.send(_enc.encode(msg))
             if not sock.poll(int(self.timeout_s * 1000)):
                 raise TimeoutError(f"peer {endpoint} did not answer in {self.timeout_s}s")
-            return _dec_rep.decode(sock.recv())
+            reply = _dec_rep.decode(sock.recv())
+            ok = True
+            return reply
         finally:
+            if not ok:
+                self._socks.pop(endpoint, None)
+                sock.close()
+
+    def close(self) -> None:
+        for sock in self._socks.values():
             sock.close()
+        self._socks.clear()
 
     def _fallback(self, reason: str, blocks: int = 0) -> FetchResult:
         with self.lock:

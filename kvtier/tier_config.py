@@ -12,7 +12,8 @@ Per-instance ports. One config file serves every instance of a stack, so the
 ports of the tier's event PUB, replay ROUTER and peer side channel are not in
 the file: ``resolved(env)`` takes them from the instance's environment, which
 ``kvtier.stack.InstanceSpec.env()`` fills (``KVTIER_TIER_EVENTS_PORT``,
-``KVTIER_TIER_REPLAY_PORT``, ``KVTIER_P2P_PORT``, ``KVTIER_POD_NAME``). The
+``KVTIER_TIER_REPLAY_PORT``, ``KVTIER_P2P_PORT``, ``KVTIER_POD_NAME``, and
+``KVTIER_METRICS_PORT`` for the tier's Prometheus endpoint). The
 file only says *whether* the tier publishes events (``kv_events``) and serves
 peers (``peer_fetch``). Precedence per port: explicit key in the file > env
 var > ``*_port_offset`` (deprecated: ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + offset;
@@ -30,6 +31,7 @@ ENV_EVENTS_PORT = "KVTIER_TIER_EVENTS_PORT"
 ENV_REPLAY_PORT = "KVTIER_TIER_REPLAY_PORT"
 ENV_P2P_PORT = "KVTIER_P2P_PORT"
 ENV_POD_NAME = "KVTIER_POD_NAME"
+ENV_METRICS_PORT = "KVTIER_METRICS_PORT"
 
 ALIASES = {
     "cpu_bytes": "cpu_bytes_to_use",
@@ -60,6 +62,11 @@ class HostTierConfig(BaseModel):
     events_port_offset: int | None = None
     replay_port_offset: int | None = None
     p2p_port_offset: int | None = None
+    # Prometheus /metrics of the tier (kvtier.tier_metrics); served when a
+    # port is known (metrics_port or KVTIER_METRICS_PORT) and metrics is on.
+    metrics: bool = True
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
     events_buffer_steps: int = Field(default=10000, ge=1)
     # Peer fetch: where this instance serves its tier to peers; None: not served.
     p2p_host: str = "127.0.0.1"
@@ -115,6 +122,8 @@ class HostTierConfig(BaseModel):
                 raise ValueError(f"peer_fetch is on but neither p2p_port nor {ENV_P2P_PORT} "
                                  f"gives the tier's peer port")
             upd["p2p_port"] = p
+        if self.metrics and self.metrics_port is None and env.get(ENV_METRICS_PORT):
+            upd["metrics_port"] = int(env[ENV_METRICS_PORT])
         if self.pod is None and env.get(ENV_POD_NAME):
             upd["pod"] = env[ENV_POD_NAME]
         return self.model_copy(update=upd) if upd else self
