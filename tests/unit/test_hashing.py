@@ -77,3 +77,38 @@ def test_token_digest_is_exact():
     assert token_digest([1, 2, 3]) == token_digest([1, 2, 3])
     assert token_digest([1, 2, 3]) != token_digest([1, 2, 4])
     assert token_digest([1, 2]) != token_digest([1, 2, 0])
+
+
+def _reference_keys(model, bs, seed, tokens, parent=None):
+    """The documented definition, written out naively (struct, no numpy/array)."""
+    import struct
+
+    import xxhash
+
+    ns = f"kvtier/v1|model={model}|lora=|extra="
+    prev = xxhash.xxh3_64_intdigest(ns.encode(), seed) if parent is None else parent
+    out = []
+    for i in range(len(tokens) // bs):
+        blk = tokens[i * bs:(i + 1) * bs]
+        prev = xxhash.xxh3_64_intdigest(struct.pack("<Q", prev) + struct.pack(f"<{bs}I", *blk), seed)
+        out.append(prev)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(1, 40), st.integers(0, 2**32))
+def test_request_keys_match_the_documented_definition(tokens, bs, seed):
+    import numpy as np
+
+    h = RequestKeyHasher(ModelName("m"), bs, seed=seed)
+    ref = _reference_keys("m", bs, seed, tokens)
+    assert h.keys(tokens) == ref
+    assert h.keys(np.asarray(tokens, dtype=np.uint32)) == ref
+    if len(ref) >= 2:
+        assert h.keys(tokens[bs:], ref[0]) == ref[1:]
+
+
+def test_out_of_range_token_ids_are_refused():
+    h = RequestKeyHasher(ModelName("m"), 2)
+    with pytest.raises((OverflowError, TypeError)):
+        h.keys([-1, 5])
