@@ -77,6 +77,7 @@ class InstanceSpec(BaseModel):
     tier_events_port: int
     tier_replay_port: int
     tier_p2p_port: int
+    tier_metrics_port: int  # the tier's Prometheus /metrics (kvtier_tier_*)
     cpu_bind: str | None = None  # e.g. "0"; None lets vLLM decide
     kv_cache_gib: int = 1
     block_size: int = 32
@@ -145,6 +146,7 @@ class InstanceSpec(BaseModel):
             KVTIER_TIER_EVENTS_PORT=str(self.tier_events_port),
             KVTIER_TIER_REPLAY_PORT=str(self.tier_replay_port),
             KVTIER_P2P_PORT=str(self.tier_p2p_port),
+            KVTIER_METRICS_PORT=str(self.tier_metrics_port),
             KVTIER_POD_NAME=self.name,
         )
         if self.cpu_bind is not None:
@@ -179,7 +181,7 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-PORTS_PER_INSTANCE = 7
+PORTS_PER_INSTANCE = 8
 
 
 class StackSpec(BaseModel):
@@ -223,6 +225,7 @@ class StackSpec(BaseModel):
                     tier_events_port=p[4],
                     tier_replay_port=p[5],
                     tier_p2p_port=p[6],
+                    tier_metrics_port=p[7],
                     # Spread instances over cores so P and D do not fight for one.
                     cpu_bind=str(sorted(os.sched_getaffinity(0))[i % ncpu]),
                     kv_cache_gib=self.kv_cache_gib,
@@ -377,6 +380,7 @@ class LocalStack:
                 "tier_events": f"tcp://127.0.0.1:{i.spec.tier_events_port}",
                 "tier_replay": f"tcp://127.0.0.1:{i.spec.tier_replay_port}",
                 "p2p": f"127.0.0.1:{i.spec.tier_p2p_port}",
+                "tier_metrics": f"http://127.0.0.1:{i.spec.tier_metrics_port}/metrics",
                 "pid": i.proc.pid,
                 "log": str(i.log_path),
             }

@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--kv-config", default="nixl-bidirectional",
                     help="name of a --kv-transfer-config file in configs/")
     up.add_argument("--base-port", type=int, default=None,
-                    help="first of 7 consecutive ports per instance (default: OS-assigned)")
+                    help="first of 8 consecutive ports per instance (default: OS-assigned)")
     up.add_argument("--log-dir", default=".kvtier/logs")
     up.add_argument("--state-file", default=".kvtier/stack.json",
                     help="where to write the instances' endpoints (JSON)")

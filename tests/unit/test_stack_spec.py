@@ -12,7 +12,8 @@ def test_instances_get_distinct_ports_roles_and_cores():
     assert [i.role for i in inst] == [Role.PREFILL, Role.PREFILL, Role.DECODE]
     assert [i.name for i in inst] == ["prefill-0", "prefill-1", "decode-0"]
     ports = [p for i in inst for p in (i.http_port, i.side_channel_port, i.events_port, i.replay_port,
-                                       i.tier_events_port, i.tier_replay_port, i.tier_p2p_port)]
+                                       i.tier_events_port, i.tier_replay_port, i.tier_p2p_port,
+                                       i.tier_metrics_port)]
     assert len(ports) == len(set(ports)) == PORTS_PER_INSTANCE * 3
 
 
@@ -35,6 +36,7 @@ def test_argv_and_env_carry_events_nixl_and_transfer_config(monkeypatch):
     env = i.env()
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(i.side_channel_port)
     assert env["KVTIER_P2P_PORT"] == str(i.tier_p2p_port)
+    assert env["KVTIER_METRICS_PORT"] == str(i.tier_metrics_port)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == i.cpu_bind
 
 
