@@ -15,7 +15,7 @@ import sys
 
 # Modules whose subcommands make up `kvtier`.
 SUBCOMMAND_MODULES = (
-    "kvtier.stack_cli",      # kvtier stack up, kvtier demo
+    "kvtier.stack_cli",      # kvtier stack up
     "kvtier.indexer.cli",    # kvtier indexer
     "kvtier.router.cli",     # kvtier router
     "kvtier.router.ab_cli",  # kvtier ab, kvtier calibrate, kvtier demo
