@@ -100,6 +100,8 @@ class TierScheduler:
             if theirs is not None and theirs != mine:
                 with self.lock:
                     self.tier.stats.record_fallback("refused")
+                log.warning("kvtier peer fetch from %s refused: %s %r != %r", source.pod, f,
+                            theirs, mine)
                 return
         keys = self.loadable_keys(token_ids, salt)
         keys = keys[: source.num_tokens // self.block_size]
@@ -112,8 +114,10 @@ class TierScheduler:
                            parent_key=keys[i - 1] if i else None) for i in range(len(keys))]
         res = self.peer.fetch(source.host, source.port, keys, metas)
         if res.reason:
-            log.info("kvtier peer fetch from %s: %d/%d blocks (%s)", source.pod, res.blocks,
-                     len(keys), res.reason)
+            # WARNING, not INFO: vLLM leaves non-vllm loggers at the root
+            # default, and a fallback to recompute is what an operator greps for.
+            log.warning("kvtier peer fetch from %s fell back: %d/%d blocks (%s)", source.pod,
+                        res.blocks, len(keys), res.reason)
 
     def match(self, req_id: str, token_ids: Sequence[int], num_computed: int,
               salt: str | None = None) -> int:
