@@ -40,6 +40,10 @@ from kvtier.host_pool import HostPool
 log = logging.getLogger(__name__)
 
 
+MIN_BYTES_PER_THREAD = 4 << 20
+SMALL_COPY_BYTES = 256 << 10  # mean copy size under which one thread is faster
+
+
 @dataclass(frozen=True)
 class LoadOp:
     job_id: int
@@ -87,6 +91,8 @@ class TierWorker:
     layer_names: tuple[str, ...]
     pool: HostPool | None = None
     copy_threads: int = 0  # 0: torch.get_num_threads()
+    min_bytes_per_thread: int = MIN_BYTES_PER_THREAD
+    small_copy_bytes: int = SMALL_COPY_BYTES
     _pool_t: torch.Tensor | None = None
     _exec: ThreadPoolExecutor | None = None
     _nthreads: int = 1
@@ -170,8 +176,8 @@ class TierWorker:
         """Cut long runs so every copy thread gets work even for one long run."""
         if self._exec is None:
             return rs
-        k = self._nthreads
-        total = sum(n for _, _, n in rs)
+        total = sum(n for _, _, n in rs)  # blocks
+        k = min(self._nthreads, max(1, total * self.slot_bytes // self.min_bytes_per_thread))
         cap = max(1, -(-total // k))
         out = []
         for b0, s0, n in rs:
@@ -181,11 +187,17 @@ class TierWorker:
 
     def _copy(self, pairs: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
         """``dst[...] = src`` for every pair, spread over the copy threads."""
-        if self._exec is None:
-            for dst, src in pairs:
+        items = list(pairs)
+        total = sum(dst.nbytes for dst, _ in items)
+        # Threads pay off only for big copies: many small ones (scattered
+        # blocks) serialise on the GIL between copies and get slower with
+        # more threads; measured in benchmarks/HOST_TIER.md.
+        k = min(self._nthreads, max(1, total // self.min_bytes_per_thread))
+        if self._exec is None or k == 1 or total < self.small_copy_bytes * len(items):
+            for dst, src in items:
                 dst[...] = src
             return
-        k = self._nthreads
+        pairs = iter(items)
         shards: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(k)]
         for i, pair in enumerate(pairs):
             shards[i % k].append(pair)

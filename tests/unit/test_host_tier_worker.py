@@ -27,16 +27,25 @@ def _caches(layout: str) -> dict[str, torch.Tensor]:
     return {f"l{i}": torch.randn(*shape, generator=g).to(torch.float16) for i in range(LAYERS)}
 
 
-@pytest.mark.parametrize("layout", ["cpu", "block-second"])
+THREADED = {"copy_threads": 3, "min_bytes_per_thread": 1, "small_copy_bytes": 0}
+
+
+@pytest.mark.parametrize("layout,threads", [("cpu", {}), ("cpu", THREADED),
+                                            ("block-second", {})],
+                         ids=["cpu", "cpu-threaded", "block-second"])
 @pytest.mark.parametrize("block_ids,slots", [((3, 4, 5, 6), (0, 1, 2, 3)),
-                                              ((9, 2, 14, 7), (5, 0, 3, 6))])
-def test_store_then_load_restores_exact_bytes(layout, block_ids, slots):
+                                              ((9, 2, 14, 7), (5, 0, 3, 6)),
+                                              ((1, 2, 3, 8, 9), (2, 3, 4, 0, 1))])
+def test_store_then_load_restores_exact_bytes(layout, threads, block_ids, slots):
     kv = _caches(layout)
     per_block = {n: t.movedim(0 if layout == "cpu" else 1, 0)[0].numel() * 2 for n, t in kv.items()}
-    w = TierWorker(f"test-{uuid.uuid4().hex}", 8, sum(per_block.values()), NUM_BLOCKS, tuple(kv))
+    w = TierWorker(f"test-{uuid.uuid4().hex}", 8, sum(per_block.values()), NUM_BLOCKS, tuple(kv),
+                   **threads)
     w.register_kv_caches(kv)
     try:
         assert all((layer.rows is not None) == (layout == "cpu") for layer in w._layers)
+        if threads:  # thresholds at 0: every copy goes through the 3-thread pool
+            assert w._exec is not None
         bdim = 0 if layout == "cpu" else 1
         saved = {n: t.index_select(bdim, torch.tensor(block_ids)).clone() for n, t in kv.items()}
         w.run([], [StoreOp(1, "r1", block_ids, slots)])
