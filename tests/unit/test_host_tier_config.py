@@ -75,7 +75,8 @@ def test_shipped_configs_parse_and_carry_no_ports(path):
     cfg = json.loads(path.read_text())
     inst = InstanceSpec(name="prefill-0", role="prefill", model="m", http_port=1,
                         side_channel_port=2, events_port=3, replay_port=4,
-                        tier_events_port=5, tier_replay_port=6, tier_p2p_port=7)
+                        tier_events_port=5, tier_replay_port=6, tier_p2p_port=7,
+                        tier_metrics_port=8)
     for child in _kvtier_children(cfg):
         extra = child.get("kv_connector_extra_config", {})
         assert not [k for k in extra if "port" in k or "endpoint" in k], extra
@@ -85,3 +86,5 @@ def test_shipped_configs_parse_and_carry_no_ports(path):
         if c.kv_events:
             assert c.events_endpoint == "tcp://*:5" and c.replay_endpoint == "tcp://*:6"
         assert c.pod == "prefill-0"
+        if c.metrics:
+            assert c.metrics_port == 8
