@@ -288,16 +288,31 @@ class LocalStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> None:
+    def start(self, attempts: int = 3) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
-        try:
-            for ispec in self.spec.instances():
-                self.instances.append(self._spawn(ispec))
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, attempts + 1):
+            try:
+                for ispec in self.spec.instances():
+                    self.instances.append(self._spawn(ispec))
+                self._wait_ready()
+                return
+            except StackStartError as e:
+                # OS-assigned ports are only reserved until we close the probe
+                # socket; another process can take one before vLLM binds it.
+                # Then pick fresh ports and start again.
+                lost_race = "Address already in use" in str(e) and self.spec.base_port is None
+                self.stop()
+                if not lost_race or attempt == attempts:
+                    raise
+                log.warning("a port was taken before vLLM bound it; restarting the stack "
+                            "with fresh ports (attempt %d/%d)", attempt + 1, attempts)
+                self.instances.clear()
+                self._stopped = False
+                atexit.register(self.stop)
+            except BaseException:
+                self.stop()
+                raise
 
     def _spawn(self, ispec: InstanceSpec) -> RunningInstance:
         log_path = self.log_dir / f"{ispec.name}.log"
