@@ -297,11 +297,13 @@ class LocalStack:
                     self.instances.append(self._spawn(ispec))
                 self._wait_ready()
                 return
-            except StackStartError as e:
+            except StackStartError:
                 # OS-assigned ports are only reserved until we close the probe
                 # socket; another process can take one before vLLM binds it.
                 # Then pick fresh ports and start again.
-                lost_race = "Address already in use" in str(e) and self.spec.base_port is None
+                lost_race = self.spec.base_port is None and any(
+                    not i.alive() and "Address already in use" in i.log_tail(400)
+                    for i in self.instances)
                 self.stop()
                 if not lost_race or attempt == attempts:
                     raise
