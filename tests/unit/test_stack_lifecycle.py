@@ -19,8 +19,9 @@ FAKE_SERVER = textwrap.dedent("""
         print("ValueError: model is broken", flush=True); sys.exit(3)
     if not os.path.exists(marker):
         open(marker, "w").close()
-        print("OSError: [Errno 98] Address already in use", flush=True)
-        print("\n".join(["traceback line"] * 60), flush=True); sys.exit(1)
+        print("OSError: [Errno 98] Address already " + "in use", flush=True)
+        for _ in range(60): print("  traceback line", flush=True)
+        sys.exit(1)
     port = int(sys.argv[sys.argv.index("--port") + 1])
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
