@@ -296,6 +296,9 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                           for i in stack.instances],
             "indexer": idx_url, "indexer_model": model_name if idx_url else None,
             "port": 0, "log_json": False, "block_size": opts.block_size,
+            # A slow prefill is the measurement, not a fault: no leg times out
+            # before the turn itself would.
+            "timeouts": {"prefill_s": opts.turn_timeout_s, "decode_idle_s": opts.turn_timeout_s},
             **spec.router_settings()})
         srv = es.enter_context(RouterServer(rcfg, transport=tap))
         http = es.enter_context(httpx.Client(timeout=30))
