@@ -156,12 +156,7 @@ class TierWorker:
 
     def _store(self, op: StoreOp) -> None:
         assert self._pool_t is not None and self.pool is not None
-        fast = [layer for layer in self._layers if layer.rows is not None]
-        if fast:
-            pool = self.pool.array
-            self._copy((pool[s0:s0 + n, layer.offset:layer.offset + layer.nbytes],
-                        layer.rows[b0:b0 + n])
-                       for b0, s0, n in self._split(runs(op.block_ids, op.slots)) for layer in fast)
+        self._copy((pool_v, kv_v) for kv_v, pool_v in self._fast_views(op.block_ids, op.slots))
         slow = [layer for layer in self._layers if layer.rows is None]
         if not slow:
             return
@@ -171,6 +166,19 @@ class TierWorker:
             src = layer.view.index_select(0, idx).contiguous().view(torch.uint8)
             self._pool_t[slots, layer.offset: layer.offset + layer.nbytes] = (
                 src.reshape(len(op.slots), layer.nbytes).cpu())
+
+    def _fast_views(self, block_ids, slots) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(KV-cache rows, pool rows) for every run of consecutive (block, slot)
+        and every layer with a byte view; ``_store`` copies right to left,
+        ``_load`` left to right."""
+        fast = [layer for layer in self._layers if layer.rows is not None]
+        if not fast:
+            return
+        pool = self.pool.array
+        for b0, s0, n in self._split(runs(block_ids, slots)):
+            for layer in fast:
+                yield (layer.rows[b0:b0 + n],
+                       pool[s0:s0 + n, layer.offset:layer.offset + layer.nbytes])
 
     def _split(self, rs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """Cut long runs so every copy thread gets work even for one long run."""
@@ -197,9 +205,8 @@ class TierWorker:
             for dst, src in items:
                 dst[...] = src
             return
-        pairs = iter(items)
         shards: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(k)]
-        for i, pair in enumerate(pairs):
+        for i, pair in enumerate(items):
             shards[i % k].append(pair)
 
         def run(shard: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -211,12 +218,7 @@ class TierWorker:
 
     def _load(self, op: LoadOp) -> None:
         assert self._pool_t is not None and self.pool is not None
-        fast = [layer for layer in self._layers if layer.rows is not None]
-        if fast:
-            pool = self.pool.array
-            self._copy((layer.rows[b0:b0 + n],
-                        pool[s0:s0 + n, layer.offset:layer.offset + layer.nbytes])
-                       for b0, s0, n in self._split(runs(op.block_ids, op.slots)) for layer in fast)
+        self._copy(self._fast_views(op.block_ids, op.slots))
         slow = [layer for layer in self._layers if layer.rows is None]
         if not slow:
             return

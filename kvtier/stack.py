@@ -14,6 +14,7 @@ and safe to call from a signal handler or ``atexit``.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -155,6 +156,7 @@ class InstanceSpec(BaseModel):
         return env
 
 
+@functools.cache
 def _is_cpu_platform() -> bool:
     forced = os.environ.get("KVTIER_DEVICE")
     if forced:
@@ -205,7 +207,7 @@ class StackSpec(BaseModel):
             ports = free_ports(PORTS_PER_INSTANCE * total)
         else:
             ports = list(range(self.base_port, self.base_port + PORTS_PER_INSTANCE * total))
-        ncpu = len(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
         out = []
         roles = [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
         counters = {Role.PREFILL: 0, Role.DECODE: 0}
@@ -227,7 +229,7 @@ class StackSpec(BaseModel):
                     tier_p2p_port=p[6],
                     tier_metrics_port=p[7],
                     # Spread instances over cores so P and D do not fight for one.
-                    cpu_bind=str(sorted(os.sched_getaffinity(0))[i % ncpu]),
+                    cpu_bind=str(cpus[i % len(cpus)]),
                     kv_cache_gib=self.kv_cache_gib,
                     block_size=self.block_size,
                     max_model_len=self.max_model_len,
@@ -318,12 +320,13 @@ class LocalStack:
 
     def _spawn(self, ispec: InstanceSpec) -> RunningInstance:
         log_path = self.log_dir / f"{ispec.name}.log"
+        argv = ispec.argv()
         fh = open(log_path, "ab", buffering=0)
-        fh.write(f"$ {shlex.join(ispec.argv())}\n".encode())
+        fh.write(f"$ {shlex.join(argv)}\n".encode())
         # A new session makes the server the leader of its own process group,
         # so stop() also reaches vLLM's engine-core child processes.
         proc = subprocess.Popen(
-            ispec.argv(), env=ispec.env(), stdout=fh, stderr=subprocess.STDOUT,
+            argv, env=ispec.env(), stdout=fh, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
         fh.close()

@@ -20,6 +20,13 @@ from dataclasses import dataclass, field
 import httpx
 
 
+def _router_client(base_url: str, api_key: str | None, timeout_s: float,
+                   headers: dict[str, str] | None = None) -> httpx.Client:
+    h = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    h.update(headers or {})
+    return httpx.Client(base_url=base_url.rstrip("/"), headers=h, timeout=timeout_s)
+
+
 @dataclass
 class Turn:
     text: str
@@ -41,9 +48,7 @@ class Conversation:
     turns: list[Turn] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._http = httpx.Client(base_url=self.base_url.rstrip("/"), headers=headers,
-                                  timeout=self.timeout_s)
+        self._http = _router_client(self.base_url, self.api_key, self.timeout_s)
 
     def close(self) -> None:
         self._http.close()
@@ -83,10 +88,8 @@ class ChatConversation:
     messages: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        headers["x-conversation-id"] = self.conversation_id
-        self._http = httpx.Client(base_url=self.base_url.rstrip("/"), headers=headers,
-                                  timeout=self.timeout_s)
+        self._http = _router_client(self.base_url, self.api_key, self.timeout_s,
+                                    {"x-conversation-id": self.conversation_id})
 
     def close(self) -> None:
         self._http.close()
