@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 
 # Modules whose subcommands make up `kvtier`.
@@ -51,7 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         ap.print_help()
         return 2
+    # SIGTERM unwinds like Ctrl-C, so every command's `finally` and context managers run and
+    # the servers a command started (vLLM stacks of `kvtier ab`, say) are stopped, not orphaned.
+    # Daemons that run uvicorn in the main thread install their own handlers over this one.
+    signal.signal(signal.SIGTERM, _terminate)
     return int(args.func(args) or 0)
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,14 @@ class NixlPool:
     def __post_init__(self) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # No NIXL progress thread: with NIXL 1.5.1's UCX backend it busy-polls a whole core
+        # forever, idle or not (measured: 100% of a core from an agent that does nothing),
+        # which on a CPU-served engine is a core taken from the model. `read` drives
+        # progress itself by polling the transfer state; the source side calls `progress`
+        # while a peer may be reading (kvtier.peer.PeerServer), since UCX's TCP and
+        # shared-memory transports need the target to make progress too.
+        self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False,
+                                                              backends=["UCX"]))
         self._reg = self._agent.get_reg_descs(
             [(self.pool.base_address, self.pool.nbytes, 0, "")], "DRAM")
         self._agent.register_memory(self._reg)
@@ -87,6 +94,11 @@ class NixlPool:
         finally:
             self._agent.release_xfer_handle(handle)
         return sb * len(remote_slots)
+
+    def progress(self) -> None:
+        """Drive this agent's UCX worker once (the source side of a peer's READ calls this
+        while a transfer may be in flight; there is no progress thread, see __post_init__)."""
+        self._agent.get_new_notifs()
 
     def close(self) -> None:
         try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -96,6 +97,13 @@ _dec_req = msgspec.msgpack.Decoder(Request)
 _dec_rep = msgspec.msgpack.Decoder(Reply)
 
 
+# How long after a peer's last request the server keeps driving NIXL progress (one cheap
+# call per millisecond): covers the UCX wire-up after Hello and the READ between Lookup and
+# Release. Longer than any sane reader timeout (peer_timeout_s, default 5 s), which bounds
+# a READ on the reader's side.
+ACTIVE_WINDOW_S = 30.0
+
+
 class PeerServer:
     """Serves this instance's host tier to peers on ``tcp://host:port``."""
 
@@ -142,11 +150,18 @@ class PeerServer:
             self._ready.set()
             return
         self._ready.set()
+        active_until = 0.0  # a peer may be mid-handshake or mid-READ until then
         try:
             while not self._stop.is_set():
-                if not sock.poll(100):
+                busy = time.monotonic() < active_until
+                if busy:
+                    # No NIXL progress thread (kvtier.nixl_transport): the source side of a
+                    # READ must progress its UCX worker itself while a peer reads from it.
+                    self.nixl.progress()
+                if not sock.poll(1 if busy else 100):
                     continue
                 raw = sock.recv()
+                active_until = time.monotonic() + ACTIVE_WINDOW_S
                 try:
                     reply: Reply = self.handle(_dec_req.decode(raw))
                 except Exception as e:  # a bad message must not kill the server

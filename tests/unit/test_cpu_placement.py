@@ -1,0 +1,78 @@
+"""kvtier.cpu_placement against a real process that looks like a misplaced vLLM worker:
+named VLLM::Worker, its main thread on the wrong core, one thread spinning, one sleeping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvtier.cpu_placement import WORKER_COMM, place
+
+CHILD = textwrap.dedent("""
+    import os, sys, threading, time
+    open("/proc/self/comm", "w").write(sys.argv[1])
+    os.sched_setaffinity(0, {int(sys.argv[2])})   # vLLM's move to the 'reserved' core
+    def spin():
+        while True:
+            pass
+    def nap():
+        while True:
+            time.sleep(1)
+    threading.Thread(target=spin, daemon=True, name="spin").start()
+    threading.Thread(target=nap, daemon=True, name="nap").start()
+    print(threading.get_native_id(), flush=True)
+    sys.stdin.read()
+""")
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                                     reason="needs two cores to move a thread between")
+
+
+def _start(comm: str, wrong_core: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", CHILD, comm, str(wrong_core)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip().isdigit()
+    time.sleep(0.3)  # let the spinner run
+    return p
+
+
+def _threads(pid: int) -> list[int]:
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+@needs_two_cores
+def test_worker_rebound_and_spinner_idled():
+    cores = sorted(os.sched_getaffinity(0))
+    want, wrong = cores[0], cores[-1]
+    p = _start(WORKER_COMM, wrong)
+    try:
+        placed = place(os.getpid(), want, sample_s=0.5)
+        mine = [x for x in placed if x.pid == p.pid]
+        assert len(mine) == 1 and mine[0].rebound
+        assert os.sched_getaffinity(p.pid) == {want}
+        # Exactly one thread spun: it, and only it, is SCHED_IDLE now.
+        assert len(mine[0].idled) == 1
+        idle = [t for t in _threads(p.pid) if os.sched_getscheduler(t) == os.SCHED_IDLE]
+        assert idle == mine[0].idled
+        assert os.sched_getscheduler(p.pid) != os.SCHED_IDLE
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_other_processes_left_alone():
+    cores = sorted(os.sched_getaffinity(0))
+    p = _start("not-a-worker", cores[-1])
+    try:
+        placed = place(os.getpid(), cores[0], sample_s=0.3)
+        assert all(x.pid != p.pid for x in placed)
+        assert os.sched_getaffinity(p.pid) == {cores[-1]}
+        assert all(os.sched_getscheduler(t) != os.SCHED_IDLE for t in _threads(p.pid))
+    finally:
+        p.kill()
+        p.wait()
