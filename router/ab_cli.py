@@ -120,11 +120,11 @@ def prior_cost_model(kvbpt: int, block_size: int = 32) -> CostModel:
 
 
 def _simulate(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill: int,
-              decode: int, block_size: int) -> list[RunResult]:
+              decode: int, block_size: int, online_ttl: bool = True) -> list[RunResult]:
     from kvtier.ab.simulator import FleetSpec, simulate
 
     fleet = FleetSpec(prefill=prefill, decode=decode, block_size=block_size)
-    return [simulate(trace, s.scaled(1.0), fleet, cost) for s in specs]
+    return [simulate(trace, s.scaled(1.0), fleet, cost, online_ttl=online_ttl) for s in specs]
 
 
 # ----------------------------------------------------------------- kvtier ab ---------
@@ -211,7 +211,8 @@ def run_ab(args: argparse.Namespace) -> int:
         # the simulator replays wall-clock waits: scale the trace like the live run
         simulated = _simulate(_scaled_trace(trace, args.time_scale),
                               [s.scaled(args.time_scale) for s in ran], fitted,
-                              args.prefill, args.decode, args.block_size)
+                              args.prefill, args.decode, args.block_size,
+                              online_ttl=False)  # live vLLM fixes the TTL at start
         meta.update(cost_model=fitted.model_dump(),
                     cost_model_source="fitted to this run's turns (in-sample)",
                     recommendation=fitted.recommend().model_dump())

@@ -29,6 +29,8 @@ from pathlib import Path
 import msgspec
 
 from .records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult
+from .targets import evaluate as evaluate_targets
+from .targets import markdown as targets_markdown
 
 PLOTS = ("ttft_vs_context.png", "prefill_split.png", "memory_over_time.png",
          "reuse_by_path.png")
@@ -161,6 +163,16 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     if meta.get("topology"):
         lines.append(f"- Stack: {meta['topology']}")
     lines += ["", "## Summary", "", summary_table(results), ""]
+    lines += ["## Targets (issue #6), from this run's records", "",
+              targets_markdown(evaluate_targets(results)), ""]
+    if meta.get("adaptive"):
+        lines += ["## What tiered-adaptive was configured with", ""]
+        for name, a in meta["adaptive"].items():
+            lines.append(f"- `{name}`: kv_recompute_threshold={a.get('kv_recompute_threshold')}, "
+                         f"min_cached_token_delta={a.get('min_cached_token_delta')}, "
+                         f"decode TTL {a.get('decode_ttl_s')} s (trace seconds). "
+                         f"{a.get('ttl_choice', '')}")
+        lines.append("")
     lines += ["## Median TTFT (ms) by context length", "", _bucket_table(results), ""]
     lines += ["## Reuse by path (tokens)", "",
               "| strategy | " + " | ".join(REUSE_PATHS) + " |",
@@ -306,6 +318,7 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
         "simulated": msgspec.to_builtins(list(simulated)) if simulated else None,
         "simulated_summary": [r.summary() for r in simulated] if simulated else None,
         "simulator_error": sim_error,
+        "targets": msgspec.to_builtins(evaluate_targets(results)),
     }
     (out / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc)))
     md = out / "report.md"

@@ -20,7 +20,7 @@ For one retained turn with ``n`` reusable tokens whose next turn comes after ``w
 
 ``J(T) = Σ_i [w_i <= T]·gain_i - Σ_i recompute(n_i)·min(w_i, T)/horizon_s`` is maximized over
 ``T`` in ``{min_ttl_s} ∪ {w_i}`` (J only changes slope at the observed waits), clipped to
-``[min_ttl_s, max_ttl_s]``. With a host copy on this CPU (device and host reads both move DRAM
+``[min_ttl_s, max_ttl_s]``; the TTL configured is that wait plus ``TTL_SLACK`` (20%). With a host copy on this CPU (device and host reads both move DRAM
 over NIXL) the gain is milliseconds and ``T`` comes out at the minimum; with no host copy it
 comes out at the wait quantile where the tail stops paying for itself.
 
@@ -39,6 +39,9 @@ from kvtier.ab.costmodel import CostModel
 DEFAULT_HORIZON_S = 60.0
 MIN_TTL_S = 1.0      # vLLM's TTL is whole seconds; 0 would disable retention
 MAX_TTL_S = 480.0    # vLLM's default, the longest anyone configures today
+# The configured TTL is the covered wait plus this fraction: a turn that comes back exactly at
+# an observed wait must still find its blocks, and the router drops its entry a margin early.
+TTL_SLACK = 0.2
 
 
 class WaitSample(msgspec.Struct, frozen=True):
@@ -49,7 +52,8 @@ class WaitSample(msgspec.Struct, frozen=True):
 
 
 class TtlChoice(msgspec.Struct, frozen=True):
-    ttl_s: float
+    ttl_s: float            # what to configure: covers_wait_s plus TTL_SLACK
+    covers_wait_s: float    # the longest observed wait the choice is meant to cover
     samples: int
     covered: float          # fraction of the observed waits the TTL covers
     expected_gain_s: float  # Σ gain of covered waits (seconds of TTFT)
@@ -82,7 +86,7 @@ def choose_device_ttl(cost: CostModel, waits: Sequence[WaitSample], *, host_copy
         raise ValueError("the cost model has no dp_read link: nothing to retain for")
     obs = [(max(0.0, w.wait_s), max(0, w.tokens)) for w in waits if math.isfinite(w.wait_s)]
     if not obs:
-        return TtlChoice(max_ttl_s, 0, 0.0, 0.0, 0.0,
+        return TtlChoice(max_ttl_s, max_ttl_s, 0, 0.0, 0.0, 0.0,
                          f"no waits observed yet: the longest TTL ({max_ttl_s:g} s) until there are")
     obs.sort()
     gain = [max(0.0, fallback_s(cost, n, host_copy) - cost.read_s("dp_read", n)) for _, n in obs]
@@ -107,13 +111,15 @@ def choose_device_ttl(cost: CostModel, waits: Sequence[WaitSample], *, host_copy
         if g - p > best_j + 1e-12:
             best_t, best_j, best_gp = t, g - p, (g, p)
     covered = sum(1 for w, _ in obs if w <= best_t) / n_obs
+    ttl = min(max_ttl_s, best_t * (1 + TTL_SLACK))
     alt = "a peer host-tier read" if host_copy and "p2p" in cost.reads else "recomputing"
     mean_gain = sum(gain) / len(gain)
     expl = (f"{len(obs)} waits observed; once the device copy is gone the fallback is {alt}; "
             f"a device read saves {mean_gain * 1e3:.3g} ms per turn on average; holding a turn for "
-            f"{horizon_s:g} s costs as much as recomputing it; TTL {best_t:.3g} s covers "
-            f"{covered:.0%} of the waits (gain {best_gp[0]:.3g} s, price {best_gp[1]:.3g} s)")
-    return TtlChoice(best_t, len(obs), covered, best_gp[0], best_gp[1], expl)
+            f"{horizon_s:g} s costs as much as recomputing it; covering waits up to {best_t:.3g} s "
+            f"({covered:.0%} of them; gain {best_gp[0]:.3g} s, price {best_gp[1]:.3g} s) "
+            f"-> TTL {ttl:.3g} s")
+    return TtlChoice(ttl, best_t, len(obs), covered, best_gp[0], best_gp[1], expl)
 
 
 def observed_waits(turns: Sequence, time_scale: float = 1.0) -> list[WaitSample]:

@@ -27,6 +27,9 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   ``min_cached_token_delta``; ``adaptive`` strategies take `CostModel.best_path` per
   request. (The simulated world *is* the cost model, so an online refit would converge to
   it at once; the adaptive strategy uses it directly.)
+- **Adaptive device TTL**: ``adaptive`` strategies re-choose the decode TTL online from
+  the tool waits observed so far (`kvtier.ab.retention.choose_device_ttl`, last 512 waits,
+  every 8 new ones); ``online_ttl=False`` keeps it fixed, as a live vLLM stack must.
 
 Not modelled: chunked-prefill batching across requests, network contention between
 concurrent reads, decode-side compute interference.
@@ -48,13 +51,17 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.ab.costmodel import CostModel
+from kvtier.ab.retention import WaitSample, choose_device_ttl
 from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnRecord, bucket_of
 from kvtier.ab.strategies import StrategySpec, builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
 from kvtier.ids import ConversationId
 from kvtier.reuse import align_down
 
-PD_TRANSFER = "pd_transfer"  # optional CostModel.reads entry: P->D hand-off of the prompt KV
+PD_TRANSFER = "pd_transfer"
+# tiered-adaptive online: re-choose the device TTL from the last ADAPTIVE_WINDOW waits once
+# ADAPTIVE_MIN_WAITS were seen, then every ADAPTIVE_REFIT_EVERY new ones.
+ADAPTIVE_WINDOW, ADAPTIVE_MIN_WAITS, ADAPTIVE_REFIT_EVERY = 512, 8, 8  # optional CostModel.reads entry: P->D hand-off of the prompt KV
 
 
 class FleetSpec(BaseModel):
@@ -158,12 +165,15 @@ class _Policy:
     threshold: int
     delta: int
     adaptive: bool
+    horizon_s: float = 60.0  # adaptive: kvtier.ab.retention's holding price
+    online_ttl: bool = False  # adaptive: re-choose the device TTL as waits are observed
 
     @classmethod
-    def of(cls, s: StrategySpec) -> "_Policy":
+    def of(cls, s: StrategySpec, online_ttl: bool = True) -> "_Policy":
         ttl = float(s.decode_ttl_s or 0.0) if s.device_retention else 0.0
         return cls(s.name, ttl, s.dp_reuse and ttl > 0, s.host_tier, s.peer_fetch, s.prefix_caching,
-                   s.kv_recompute_threshold, s.min_cached_token_delta, s.adaptive)
+                   s.kv_recompute_threshold, s.min_cached_token_delta, s.adaptive,
+                   s.retention_horizon_s, online_ttl and s.adaptive)
 
 
 class _Sim:
@@ -185,6 +195,11 @@ class _Sim:
         self.host_total = 0  # host bytes held, all pods
         self.counters = {"evicted_device": 0, "expired_device": 0, "decode_overcommit": 0}
         self.now = 0.0
+        # adaptive: tool waits seen so far (bounded window) -> the device TTL, re-chosen online
+        self.waits: deque[WaitSample] = deque(maxlen=ADAPTIVE_WINDOW)
+        self.finished_at: dict[ConversationId, tuple[float, int]] = {}
+        self.ttl_s = policy.ttl_s
+        self.ttl_history: list[tuple[float, float]] = [(0.0, policy.ttl_s)]
 
     # -- event plumbing -------------------------------------------------------------------
     def push(self, t: float, kind: int, payload: tuple) -> None:
@@ -216,10 +231,14 @@ class _Sim:
         self.records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
         meta = {"simulated": True, "t_end": t_end, "fleet": self.fleet.model_dump(),
                 "cost_model": self.cost.model_dump(), "trace": self.trace.name, **self.counters}
+        if self.p.adaptive:
+            meta["device_ttl_history"] = self.ttl_history
         return RunResult(self.p.name, self.records, [m for m in self.memory if m.t <= t_end], meta)
 
     # -- handlers ---------------------------------------------------------------------------
     def on_arrive(self, conv: ConversationId, turn: int) -> None:
+        if self.p.online_ttl and self.p.ttl_s > 0 and conv in self.finished_at:
+            self.observe_wait(conv)
         if conv not in self.decode_of:
             loads = [d.active_blocks + d.retained_blocks() for d in self.decodes]
             self.decode_of[conv] = min(range(len(loads)), key=lambda i: (loads[i], i))
@@ -286,6 +305,17 @@ class _Sim:
             self.cache_prompt(pf, conv, prompt)
         self.push(self.now + service, _PREFILL_DONE, (i, conv, turn))
 
+    def observe_wait(self, conv: ConversationId) -> None:
+        t, tokens = self.finished_at.pop(conv)
+        self.waits.append(WaitSample(self.now - t, tokens))
+        n = len(self.waits)
+        if n >= ADAPTIVE_MIN_WAITS and (n - ADAPTIVE_MIN_WAITS) % ADAPTIVE_REFIT_EVERY == 0:
+            ttl = choose_device_ttl(self.cost, list(self.waits), host_copy=self.p.host_copy and self.p.p2p,
+                                    horizon_s=self.p.horizon_s).ttl_s
+            if ttl != self.ttl_s:
+                self.ttl_s = ttl
+                self.ttl_history.append((self.now, ttl))
+
     def choose(self, prompt: int, local: int, cands: dict[str, int]) -> tuple[str | None, int]:
         if self.p.adaptive:
             return self.cost.best_path(prompt, cands, local_tokens=local)
@@ -323,11 +353,13 @@ class _Sim:
         dec = self.decodes[d]
         dec.active_blocks -= blocks
         tokens = self.plans[conv][turn].context_after
+        self.finished_at[conv] = (self.now, tokens)
         if self.p.ttl_s > 0:
+            ttl = self.ttl_s
             before = dec.retained_total
-            dec.retain(_Retained(conv, blocks, tokens, self.now + self.p.ttl_s))
+            dec.retain(_Retained(conv, blocks, tokens, self.now + ttl))
             self.dev_total += dec.retained_total - before
-            self.push(self.now + self.p.ttl_s, _EXPIRE, (d, conv, self.now + self.p.ttl_s))
+            self.push(self.now + ttl, _EXPIRE, (d, conv, self.now + ttl))
             if dec.active_blocks + dec.retained_blocks() > self.fleet.device_blocks_per_decode:
                 self.make_room(d, 0, conv)
         if self.p.host_copy:
@@ -376,14 +408,17 @@ class _Sim:
             pf.cache_used += blocks
 
 
-def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost: CostModel) -> RunResult:
+def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost: CostModel,
+             online_ttl: bool = True) -> RunResult:
     """Replay ``trace`` under ``strategy`` on ``fleet`` with ``cost``; records like a live run.
 
     ``strategy`` is a `StrategySpec` or a built-in name (`kvtier.ab.strategies.builtin`).
     The spec's own prefill/decode counts are ignored: the fleet is ``fleet``.
+    ``online_ttl``: adaptive strategies re-choose their device TTL as waits arrive; False
+    keeps the spec's TTL fixed, as a live vLLM stack does (for comparing with a live run).
     """
     spec = builtin(strategy) if isinstance(strategy, str) else strategy
-    policy = _Policy.of(spec)
+    policy = _Policy.of(spec, online_ttl)
     needed = (["dp_read"] if policy.dp_read else []) + (["p2p"] if policy.p2p else [])
     missing = [p for p in needed if p not in cost.reads]
     if missing:

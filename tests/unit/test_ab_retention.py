@@ -1,0 +1,129 @@
+"""Adaptive device TTL (kvtier.ab.retention): the choice, its oracle, and where it is used."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.ab.costmodel import CostModel, LinkModel
+from kvtier.ab.records import TurnRecord
+from kvtier.ab.retention import (MAX_TTL_S, MIN_TTL_S, WaitSample, choose_device_ttl,
+                                 fallback_s, observed_waits, recompute_s)
+from kvtier.ab.simulator import FleetSpec, simulate
+from kvtier.ab.strategies import builtin
+from kvtier.ab.traces import ConversationSpec, Trace, TurnSpec
+from kvtier.ids import ConversationId
+
+BS = 32
+
+
+def _cost(p2p_bw: float = 1e9, p2p_setup: float = 0.02) -> CostModel:
+    return CostModel(kv_bytes_per_token=2048, prefill_a_s=0.01, prefill_b_s_per_token=2e-4,
+                     prefill_c_s_per_token_ctx=2e-8, decode_s_per_token=0.002, block_size=BS,
+                     reads={"dp_read": LinkModel(setup_s=0.004, bytes_per_s=4e9),
+                            "p2p": LinkModel(setup_s=p2p_setup, bytes_per_s=p2p_bw)})
+
+
+def _objective(cost, waits, t, host_copy, horizon):
+    """The module docstring's J(T), written the slow way."""
+    j = 0.0
+    for w in waits:
+        if w.wait_s <= t:
+            j += max(0.0, fallback_s(cost, w.tokens, host_copy) - cost.read_s("dp_read", w.tokens))
+        j -= recompute_s(cost, w.tokens) * min(w.wait_s, t) / horizon
+    return j
+
+
+def test_no_host_copy_short_waits_are_all_covered():
+    waits = [WaitSample(w, 2000) for w in (1, 2, 3, 5, 8, 13)]
+    c = choose_device_ttl(_cost(), waits, host_copy=False, horizon_s=600)
+    assert c.covers_wait_s == 13 and c.covered == 1.0 and c.ttl_s == pytest.approx(13 * 1.2)
+
+
+def test_host_copy_as_fast_as_device_read_keeps_the_minimum():
+    same = _cost(p2p_bw=4e9, p2p_setup=0.004)
+    waits = [WaitSample(w, 2000) for w in (1, 2, 3, 5, 8, 13)]
+    c = choose_device_ttl(same, waits, host_copy=True)
+    assert c.covers_wait_s == MIN_TTL_S and c.covered == pytest.approx(1 / 6)
+    # the same waits without a host copy: the device copy is worth holding
+    assert choose_device_ttl(same, waits, host_copy=False).covers_wait_s > MIN_TTL_S
+
+
+def test_long_tail_is_left_to_the_fallback():
+    waits = [WaitSample(2.0, 2000)] * 9 + [WaitSample(1000.0, 2000)]
+    c = choose_device_ttl(_cost(), waits, host_copy=False, horizon_s=60)
+    assert c.covers_wait_s == 2.0 and c.covered == pytest.approx(0.9)
+
+
+def test_no_waits_and_bad_input():
+    assert choose_device_ttl(_cost(), [], host_copy=True).ttl_s == MAX_TTL_S
+    with pytest.raises(ValueError):
+        choose_device_ttl(_cost(), [WaitSample(1, 10)], host_copy=True, horizon_s=0)
+    with pytest.raises(ValueError):
+        choose_device_ttl(_cost(), [WaitSample(1, 10)], host_copy=True, min_ttl_s=5, max_ttl_s=2)
+    no_dp = CostModel(kv_bytes_per_token=2048, reads={"p2p": LinkModel(setup_s=0, bytes_per_s=1e9)})
+    with pytest.raises(ValueError, match="dp_read"):
+        choose_device_ttl(no_dp, [WaitSample(1, 10)], host_copy=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 900), st.integers(0, 8000)), min_size=1, max_size=40),
+       st.booleans(), st.floats(1, 1000), st.floats(1e8, 2e10))
+def test_choice_maximizes_the_objective(pairs, host_copy, horizon, p2p_bw):
+    cost = _cost(p2p_bw=p2p_bw)
+    waits = [WaitSample(w, n) for w, n in pairs]
+    c = choose_device_ttl(cost, waits, host_copy=host_copy, horizon_s=horizon)
+    assert MIN_TTL_S <= c.covers_wait_s <= c.ttl_s <= MAX_TTL_S
+    best = _objective(cost, waits, c.covers_wait_s, host_copy, horizon)
+    assert math.isclose(c.expected_gain_s - c.expected_price_s, best, rel_tol=1e-6, abs_tol=1e-9)
+    grid = [MIN_TTL_S + k * (MAX_TTL_S - MIN_TTL_S) / 400 for k in range(401)]
+    for t in grid + [w.wait_s for w in waits if MIN_TTL_S <= w.wait_s <= MAX_TTL_S]:
+        assert _objective(cost, waits, t, host_copy, horizon) <= best + 1e-9
+
+
+def _rec(conv, turn, t_start, e2e, prompt, resp, strategy="s"):
+    return TurnRecord(strategy, conv, turn, prompt, 0, "none", prompt, e2e / 2, e2e, 0.0, t_start,
+                      "", resp)
+
+
+def test_observed_waits_from_records():
+    recs = [_rec("a", 0, 0.0, 2.0, 100, 10), _rec("a", 1, 5.0, 1.0, 300, 10),
+            _rec("b", 0, 1.0, 1.0, 50, 5), _rec("a", 2, 6.5, 1.0, 400, 10)]
+    got = sorted((round(w.wait_s, 6), w.tokens) for w in observed_waits(recs, time_scale=0.5))
+    assert got == [(1.0, 310), (6.0, 110)]  # (6.5-6)/0.5, (5-2)/0.5; b has no next turn
+    with pytest.raises(ValueError):
+        observed_waits(recs, time_scale=0)
+
+
+def test_with_cost_model_sets_ttl_for_adaptive_only():
+    waits = [WaitSample(w, 2000) for w in (1, 2, 3, 5, 8)]
+    same = _cost(p2p_bw=4e9, p2p_setup=0.004)
+    ad = builtin("tiered-adaptive").with_cost_model(same, waits)
+    assert ad.decode_ttl_s == pytest.approx(MIN_TTL_S * 1.2)
+    assert builtin("tiered").with_cost_model(same, waits) == builtin("tiered")
+    # no waits yet: thresholds only, the default TTL stays
+    assert builtin("tiered-adaptive").with_cost_model(same).decode_ttl_s == \
+        builtin("tiered-adaptive").decode_ttl_s
+
+
+def test_simulator_online_ttl_cuts_device_memory_with_a_host_copy():
+    convs = [ConversationSpec(ConversationId(f"c{c}"), c * 0.5, 100 + c,
+                              [TurnSpec(1000, 50, 0.0)] + [TurnSpec(300, 50, 12.0)] * 11)
+             for c in range(4)]
+    tr = Trace("waits", 4096, convs)
+    fleet = FleetSpec(prefill=1, decode=1, device_blocks_per_decode=100_000,
+                      host_bytes_per_pod=1 << 34, block_size=BS)
+    cost = _cost(p2p_bw=4e9, p2p_setup=0.004)
+    fixed = simulate(tr, builtin("tiered"), fleet, cost)
+    online = simulate(tr, builtin("tiered-adaptive"), fleet, cost)
+    frozen = simulate(tr, builtin("tiered-adaptive"), fleet, cost, online_ttl=False)
+    hist = online.meta["device_ttl_history"]
+    assert hist[0][1] == builtin("tiered-adaptive").decode_ttl_s
+    assert hist[-1][1] == pytest.approx(MIN_TTL_S * 1.2)
+    assert frozen.meta["device_ttl_history"] == [(0.0, builtin("tiered-adaptive").decode_ttl_s)]
+    assert online.device_block_seconds() < 0.5 * fixed.device_block_seconds()
+    # the host copy still serves the turns the device no longer holds
+    assert online.reuse_rate() >= 0.95 * fixed.reuse_rate()
