@@ -101,7 +101,9 @@ def spinning_threads(pid: int, sample_s: float = 0.5, samples: int = 25) -> list
 
 def place(root_pid: int, core: int | None, sample_s: float = 0.5) -> list[Placement]:
     """Fix the placement of every vLLM worker under ``root_pid`` (see the module docstring).
-    ``core``: the one core the instance's model should run on (None: leave affinity alone)."""
+    ``core``: the one core the instance's model should run on (None: leave affinity alone).
+    Call it while the instance is idle: a thread that is busy computing then would look like
+    a spinner (the worker's main thread, which computes with one OMP thread, is never touched)."""
     out = []
     for pid in descendants(root_pid):
         if not _comm(pid).startswith(WORKER_COMM):
@@ -112,6 +114,8 @@ def place(root_pid: int, core: int | None, sample_s: float = 0.5) -> list[Placem
                 os.sched_setaffinity(pid, {core})
                 p.rebound = True
             for tid in spinning_threads(pid, sample_s):
+                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    continue  # placed before
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 p.idled.append(tid)
         except (ProcessLookupError, PermissionError) as e:

@@ -1,4 +1,5 @@
-"""``kvtier stack up``: run a local P/D fleet of vLLM servers until Ctrl-C."""
+"""``kvtier stack up``: run a local P/D fleet of vLLM servers until Ctrl-C.
+``kvtier stack place PID``: fix the thread placement of a vLLM-CPU server started elsewhere."""
 
 from __future__ import annotations
 
@@ -51,6 +52,20 @@ def _stack_up(args: argparse.Namespace) -> int:
         stack.stop()
 
 
+def _stack_place(args: argparse.Namespace) -> int:
+    from kvtier.cpu_placement import place
+
+    placed = place(args.pid, args.core)
+    if not placed:
+        print(f"no vLLM worker process (VLLM::Worker) under pid {args.pid}")
+        return 1
+    for p in placed:
+        print(f"worker {p.pid}: " + ("model thread moved to core %s; " % args.core
+                                     if p.rebound else "affinity unchanged; ")
+              + f"{len(p.idled)} spinning thread(s) moved to SCHED_IDLE {p.idled}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("stack", help="local P/D stack of vLLM servers")
     st_sub = st.add_subparsers(dest="stack_cmd", metavar="ACTION", required=True)
@@ -66,3 +81,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--state-file", default=".kvtier/stack.json",
                     help="where to write the instances' endpoints (JSON)")
     up.set_defaults(func=_stack_up)
+    pl = st_sub.add_parser(
+        "place", help="fix a running vLLM-CPU server's thread placement (NixlConnector moves "
+                      "its model thread; NIXL's progress thread spins): see kvtier.cpu_placement")
+    pl.add_argument("pid", type=int, help="the vLLM server's pid (its workers are found below "
+                                          "it); run this while the server is idle")
+    pl.add_argument("--core", type=int, default=None,
+                    help="the core its model should run on (its VLLM_CPU_OMP_THREADS_BIND)")
+    pl.set_defaults(func=_stack_place)

@@ -60,6 +60,28 @@ def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
         assert max(s.host_bytes_held for s in res.memory) > 0
 
 
+def test_adaptive_short_ttl_hands_long_waits_to_the_host_copy(stack_pool, tiny_model, tmp_path):
+    """tiered-adaptive as the cost model configures it when the host copy is about as fast as a
+    device read: a 1 s device TTL. Waits of 3 s outlive it, so every follow-up is served from
+    the decode node's host tier (peer fetch), and the device holds each turn for ~1 s only."""
+    spec = builtin("tiered-adaptive").with_ttl(1.0)
+    stack = stack_pool.get(spec.stack_spec(tiny_model))
+    convs = [ConversationSpec(f"w{k}", 0.3 * k, 200 + k,
+                              [TurnSpec(200, 16, 0.0), TurnSpec(96, 16, 3.0),
+                               TurnSpec(64, 16, 3.0)]) for k in range(2)]
+    opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
+                      progress=False, sample_interval_s=0.2)
+    res = run_strategy(spec, Trace("e2e-waits", 4096, convs), opts, stack=stack)
+    assert [t.error for t in res.turns if not t.ok] == []
+    follow = res.follow_ups
+    assert len(follow) == 4
+    assert all(t.reuse_path == "p2p" and t.reused_tokens >= 192 for t in follow), \
+        [(t.reuse_path, t.reused_tokens) for t in follow]
+    # each of the 6 turns is held for at most the TTL: blocks x 1 s, far below the 3 s waits
+    blocks_per_turn = max(s.device_blocks_retained for s in res.memory)
+    assert 0 < res.device_block_seconds() <= 6 * blocks_per_turn * 1.5
+
+
 def test_report_from_real_runs(tmp_path):
     if len(RESULTS) < 2:
         pytest.skip("needs the strategy runs of this module")
