@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kvtier.ab.costmodel import CostModel, LinkModel, PrefillSample, ReadSample, fit_link, \
     fit_prefill, kv_bytes_per_token
+from kvtier.ab.fit import fit_from_records
 from kvtier.ab.records import RunResult
 from kvtier.ab.retention import observed_waits
 from kvtier.ab.report import summary_table, write_report
@@ -76,38 +77,6 @@ def trace_max_context(trace: Trace) -> int:
     from kvtier.ab.traces import turn_plan
 
     return max((p.context_after for c in trace.conversations for p in turn_plan(c)), default=0)
-
-
-def fit_from_records(results: list[RunResult], kvbpt: int, block_size: int) -> CostModel:
-    """A cost model fitted to measured turns (in-sample calibration).
-
-    Prefill: turns that moved no KV (``none``/``local``): (computed, cached, ttft).
-    D->P reads: turns that read D (``dp_read``) with a transfer time: (bytes, transfer_s).
-    Peer reads have no per-request timing live; the p2p link falls back to the dp_read one.
-    Decode: (e2e - ttft) / response tokens, median.
-    """
-    pre, reads, tpot = [], [], []
-    for r in results:
-        for t in r.ok_turns:
-            if t.reuse_path in ("none", "local") and t.computed_tokens > 0 and t.ttft_s > 0:
-                pre.append(PrefillSample(t.computed_tokens, t.reused_tokens, t.ttft_s))
-            if t.reuse_path == "dp_read" and t.transfer_s > 0:
-                reads.append(ReadSample(t.reused_tokens * kvbpt, t.transfer_s))
-            if t.response_tokens > 1:
-                tpot.append((t.e2e_s - t.ttft_s) / t.response_tokens)
-    a, b, c = fit_prefill(pre)
-    links: dict[str, LinkModel] = {}
-    if len({s.bytes for s in reads}) >= 2:
-        links["dp_read"] = fit_link(reads)
-    elif reads:
-        bw = sum(s.bytes for s in reads) / sum(s.seconds for s in reads)
-        links["dp_read"] = LinkModel(setup_s=0.0, bytes_per_s=bw)
-    else:  # nothing measured: FACTS.md's NIXL-on-CPU figure (~4 GB/s), stated as such
-        links["dp_read"] = LinkModel(setup_s=0.002, bytes_per_s=4e9)
-    links["p2p"] = links["dp_read"]
-    return CostModel(kv_bytes_per_token=kvbpt, prefill_a_s=a, prefill_b_s_per_token=b,
-                     prefill_c_s_per_token_ctx=c, reads=links, block_size=block_size,
-                     decode_s_per_token=max(0.0, statistics.median(tpot)) if tpot else 0.0)
 
 
 def prior_cost_model(kvbpt: int, block_size: int = 32) -> CostModel:
@@ -205,13 +174,26 @@ def run_ab(args: argparse.Namespace) -> int:
     meta.update(mode="live", measurement=MEASUREMENT, wall_s=round(time.time() - t0, 1))
     if adaptive_meta:
         meta["adaptive"] = adaptive_meta
+    md = finish_report(results, [s.scaled(args.time_scale) for s in ran],
+                       _scaled_trace(trace, args.time_scale), meta, out, kvbpt,
+                       args.prefill, args.decode, args.block_size)
+    print(summary_table(results))
+    print(f"\nreport: {md}")
+    return 0 if all(r.ok_turns for r in results) else 1
+
+
+def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wall_trace: Trace,
+                  meta: dict, out: Path, kvbpt: int, prefill: int, decode: int,
+                  block_size: int) -> Path:
+    """Fit the cost model to the measured turns, replay the trace through the simulator with
+    it (device TTLs fixed, as live), and write the report. ``specs_as_run`` and ``wall_trace``
+    are in wall-clock seconds (already scaled by the run's time scale)."""
+    meta = {**meta, "kv_bytes_per_token": kvbpt, "block_size": block_size,
+            "prefill": prefill, "decode": decode}
     simulated = None
     try:
-        fitted = fit_from_records(results, kvbpt, args.block_size)
-        # the simulator replays wall-clock waits: scale the trace like the live run
-        simulated = _simulate(_scaled_trace(trace, args.time_scale),
-                              [s.scaled(args.time_scale) for s in ran], fitted,
-                              args.prefill, args.decode, args.block_size,
+        fitted = fit_from_records(results, kvbpt, block_size)
+        simulated = _simulate(wall_trace, specs_as_run, fitted, prefill, decode, block_size,
                               online_ttl=False)  # live vLLM fixes the TTL at start
         meta.update(cost_model=fitted.model_dump(),
                     cost_model_source="fitted to this run's turns (in-sample)",
@@ -219,10 +201,46 @@ def run_ab(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - the measured report stands without the simulator
         log.warning("simulator comparison skipped: %s", e)
         meta["simulator_skipped"] = str(e)
-    md = write_report(results, out, meta, simulated=simulated)
+    return write_report(results, out, meta, simulated=simulated)
+
+
+def run_ab_report(args: argparse.Namespace) -> int:
+    """Re-render a live run's report from its report.json with this checkout's code."""
+    import re
+
+    import msgspec
+
+    src = Path(args.dir)
+    try:
+        doc = json.loads((src / "report.json").read_text())
+        trace = Trace.load(src / "trace.jsonl")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{src}: not a kvtier ab output directory ({e})") from None
+    meta = doc["meta"]
+    if meta.get("mode") != "live":
+        raise SystemExit(f"{src}: only live runs can be re-rendered (mode {meta.get('mode')!r})")
+    results = msgspec.convert(doc["results"], list[RunResult])
+    kvbpt = meta.get("kv_bytes_per_token")
+    if kvbpt is None:
+        m = re.search(r"KV (\d+) B/token", meta.get("topology", ""))
+        if not m:
+            raise SystemExit(f"{src}: report.json does not say the KV bytes per token")
+        kvbpt = int(m.group(1))
+    m = re.match(r"(\d+)P(\d+)D", meta.get("topology", "1P1D"))
+    prefill, decode = (int(m.group(1)), int(m.group(2))) if m else (1, 1)
+    specs = [StrategySpec.model_validate(r.meta["strategy_spec"]) for r in results]
+    keep = {k: v for k, v in meta.items() if k not in (
+        "environment", "cost_model", "cost_model_source", "recommendation", "simulator_skipped")}
+    keep["rendered_from"] = f"{src} (measured at commit "\
+                            f"{meta.get('environment', {}).get('git_commit', '?')})"
+    keep["environment"] = meta.get("environment", {})
+    out = Path(args.out or src)
+    md = finish_report(results, specs, _scaled_trace(trace, float(meta.get("time_scale", 1.0))),
+                       keep, out, int(kvbpt), prefill, decode,
+                       int(meta.get("block_size", 32)))
     print(summary_table(results))
     print(f"\nreport: {md}")
-    return 0 if all(r.ok_turns for r in results) else 1
+    return 0
 
 
 def _mib(mib: float | None) -> int | None:
@@ -378,6 +396,12 @@ def register(subparsers) -> None:
     c.add_argument("--log-dir", default="ab-calibrate-logs")
     _common(c)
     c.set_defaults(func=run_calibrate)
+
+    r = subparsers.add_parser("ab-report", help="re-render a live kvtier ab run's report "
+                                                "(refit, re-simulate, targets) from its report.json")
+    r.add_argument("dir", help="the run's --out directory (report.json, trace.jsonl)")
+    r.add_argument("--out", default=None, help="where to write (default: the same directory)")
+    r.set_defaults(func=run_ab_report)
 
     d = subparsers.add_parser("demo", help="a short A/B on the tiny model (what ./run demo runs)")
     d.add_argument("--strategies", default=DEMO_STRATEGIES)

@@ -90,6 +90,7 @@ class CostModel(_Frozen):
     decode_s_per_token: float = Field(0.0, ge=0.0)  # TPOT, for end-to-end latency and occupancy
     reads: dict[str, LinkModel] = Field(default_factory=dict)
     block_size: int = Field(32, ge=1)
+    fit_notes: tuple[str, ...] = ()  # how each part was fitted (kvtier.ab.fit), for reports
 
     # ------------------------------------------------------------------ construction
 
