@@ -38,6 +38,9 @@ from kvtier.ab.traces import SyntheticTraceConfig, Trace, WaitDist, LengthDist, 
 log = logging.getLogger("kvtier.ab")
 
 DEMO_STRATEGIES = "recompute,device-ttl"
+# `kvtier calibrate` measures prefill (recompute), D->P reads (device-ttl) and peer reads
+# (host-p2p) on the same sweep.
+CALIBRATE_WITH = "recompute,device-ttl,host-p2p"
 
 
 # ----------------------------------------------------------------- shared pieces -----
@@ -260,8 +263,10 @@ def _scaled_trace(trace: Trace, k: float) -> Trace:
 
 
 # ----------------------------------------------------------------- kvtier calibrate --
-def calibration_trace(max_context: int) -> Trace:
-    """Fresh prompts of growing size, each followed by turns that add growing deltas."""
+def calibration_trace(max_context: int, gap_s: float = 0.0) -> Trace:
+    """Fresh prompts of growing size, each followed by turns that add growing deltas;
+    conversation k starts at ``k * gap_s`` (the simulated calibration spaces them so no two
+    prefills overlap; the live one runs them one after another)."""
     from kvtier.ab.traces import ConversationSpec, TurnSpec
 
     convs = []
@@ -271,7 +276,7 @@ def calibration_trace(max_context: int) -> Trace:
         for d in (32, 128, 512):
             if n * 2 + d + 64 < max_context:
                 turns.append(TurnSpec(d, 8, 0.0))
-        convs.append(ConversationSpec(f"cal{k}", 0.0, 1000 + k, turns))
+        convs.append(ConversationSpec(f"cal{k}", k * gap_s, 1000 + k, turns))
     return Trace("calibration", 4096, convs)
 
 
@@ -283,8 +288,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     trace = calibration_trace(max_ctx)
     if args.simulate:
         truth = prior_cost_model(kvbpt, args.block_size)
-        results = _simulate(trace, parse_list("recompute,device-ttl"), truth, 1, 1,
-                            args.block_size)
+        results = _simulate(calibration_trace(max_ctx, gap_s=1e4), parse_list(CALIBRATE_WITH),
+                            truth, 1, 1, args.block_size)
         source = "simulated stack (built-in prior); the fit must recover it"
     elif args.stack:
         results = [_calibrate_against(args.stack, trace, Path(model_dir).name)]
@@ -294,9 +299,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
         opts = RunOptions(model=str(model_dir), block_size=args.block_size, max_model_len=max_ctx,
                           kv_bytes_per_token=kvbpt, log_dir=Path(args.log_dir),
-                          progress=not args.no_progress)
-        results = [run_strategy(s, trace, opts) for s in parse_list("recompute,device-ttl")]
-        source = "local 1P1D stack (recompute + device-ttl runs of a calibration sweep)"
+                          progress=not args.no_progress, sequential=True)
+        results = [run_strategy(s, trace, opts) for s in parse_list(CALIBRATE_WITH)]
+        source = (f"local 1P1D stack ({CALIBRATE_WITH} runs of a calibration sweep, "
+                  f"one request at a time)")
     cost = fit_from_records(results, kvbpt, args.block_size)
     rec = cost.recommend()
     print(f"calibrated on: {source}")

@@ -271,6 +271,9 @@ class RunOptions:
     log_dir: Path = field(default_factory=lambda: Path("ab-logs"))
     progress: bool = True
     turn_timeout_s: float = 600.0
+    # One conversation after another, start times ignored (calibration: no prefill overlaps,
+    # so every TTFT is a clean sample of one request's cost).
+    sequential: bool = False
 
 
 def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
@@ -344,7 +347,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
 
     def one(conv: ConversationSpec) -> None:
         delay = conv.start_s * opts.time_scale - (time.perf_counter() - t_run)
-        if delay > 0:
+        if delay > 0 and not opts.sequential:
             time.sleep(delay)
         cid = f"{spec.name}-{conv.conversation_id}-{uuid.uuid4().hex[:6]}"
         history: list[int] = []
@@ -385,6 +388,8 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
     try:
         for t in threads:
             t.start()
+            if opts.sequential:
+                t.join()
         for t in threads:
             t.join()
     finally:

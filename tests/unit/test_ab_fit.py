@@ -68,3 +68,14 @@ def test_a_path_nobody_took_is_borrowed_and_said():
     got = fit_from_records(runs, 4096, BS)
     assert got.reads["p2p"] == got.reads["dp_read"]
     assert any("p2p: borrowed from dp_read" in n for n in got.fit_notes)
+
+
+def test_calibrate_simulate_recovers_the_prior(capsys):
+    """`kvtier calibrate --simulate`: the sweep, run through the simulator with the built-in
+    prior, is fitted back to that prior (the CLI path, end to end)."""
+    from kvtier.cli import main
+
+    assert main(["calibrate", "--simulate"]) == 0
+    out = capsys.readouterr().out
+    assert "10 ms + 200 us*new + 20 ns*new*(cached+new/2)" in out
+    assert "read dp_read: setup 2 ms, 4 GB/s" in out
