@@ -35,6 +35,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 WORKER_COMM = "VLLM::Worker"  # vLLM names its worker processes (and so their threads) this
+SECOND_LOOK_AFTER_S = 1.0      # a spinner must be spinning in two looks this far apart
 SPIN_FRACTION = 0.5           # a thread runnable in more than this share of looks while idle spins
 
 
@@ -113,7 +114,11 @@ def place(root_pid: int, core: int | None, sample_s: float = 0.5) -> list[Placem
             if core is not None and os.sched_getaffinity(pid) != {core}:
                 os.sched_setaffinity(pid, {core})
                 p.rebound = True
-            for tid in spinning_threads(pid, sample_s):
+            # Twice, a moment apart: OpenMP/gloo threads may spin-wait for a fraction of a second
+            # after work, a busy-polling progress thread spins in both looks.
+            first = set(spinning_threads(pid, sample_s))
+            time.sleep(SECOND_LOOK_AFTER_S)
+            for tid in sorted(first & set(spinning_threads(pid, sample_s))):
                 if os.sched_getscheduler(tid) == os.SCHED_IDLE:
                     continue  # placed before
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
