@@ -35,6 +35,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 WORKER_COMM = "VLLM::Worker"  # vLLM names its worker processes (and so their threads) this
+MAX_SPINNERS = 2              # NIXL progress threads per worker we expect (vLLM's + kvtier's)
 SECOND_LOOK_AFTER_S = 1.0      # a spinner must be spinning in two looks this far apart
 SPIN_FRACTION = 0.5           # a thread runnable in more than this share of looks while idle spins
 
@@ -118,7 +119,16 @@ def place(root_pid: int, core: int | None, sample_s: float = 0.5) -> list[Placem
             # after work, a busy-polling progress thread spins in both looks.
             first = set(spinning_threads(pid, sample_s))
             time.sleep(SECOND_LOOK_AFTER_S)
-            for tid in sorted(first & set(spinning_threads(pid, sample_s))):
+            found = sorted(first & set(spinning_threads(pid, sample_s)))
+            if len(found) > MAX_SPINNERS:
+                # NIXL makes one progress thread per agent. Many busy threads are something
+                # else (seen: 14 at once, likely OpenMP/gloo threads still working); demoting
+                # those slowed the model, so leave them all alone.
+                log.warning("vLLM worker %d: %d threads busy while idle, expected at most %d "
+                            "NIXL progress threads; not demoting any", pid, len(found),
+                            MAX_SPINNERS)
+                found = []
+            for tid in found:
                 if os.sched_getscheduler(tid) == os.SCHED_IDLE:
                     continue  # placed before
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

@@ -76,3 +76,21 @@ def test_other_processes_left_alone():
     finally:
         p.kill()
         p.wait()
+
+
+@needs_two_cores
+def test_many_busy_threads_are_left_alone():
+    """More busy threads than NIXL would make: not spinners to demote (e.g. OpenMP at work)."""
+    many = CHILD.replace('threading.Thread(target=spin, daemon=True, name="spin").start()',
+                         'for _ in range(4): threading.Thread(target=spin, daemon=True).start()')
+    p = subprocess.Popen([sys.executable, "-c", many, WORKER_COMM, str(os.sched_getaffinity(0).pop())],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip().isdigit()
+    try:
+        time.sleep(0.3)
+        placed = [x for x in place(os.getpid(), None, sample_s=0.5) if x.pid == p.pid]
+        assert len(placed) == 1 and placed[0].idled == []
+        assert all(os.sched_getscheduler(t) != os.SCHED_IDLE for t in _threads(p.pid))
+    finally:
+        p.kill()
+        p.wait()
