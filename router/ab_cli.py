@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
-from kvtier.ab.costmodel import CostModel, LinkModel, PrefillSample, ReadSample, fit_link, \
-    fit_prefill, kv_bytes_per_token
+from kvtier.ab.costmodel import CostModel, LinkModel, kv_bytes_per_token
 from kvtier.ab.fit import fit_from_records
 from kvtier.ab.records import RunResult
 from kvtier.ab.retention import observed_waits
