@@ -120,6 +120,19 @@ class IndexerService:
             for name, st in list(self.subscriber.pods.items())
         }
 
+    def wait_connected(self, timeout_s: float = 15.0, settle_s: float = 0.3) -> bool:
+        """Wait until every pod's event PUB is connected (TCP) plus ``settle_s`` for the
+        subscription to travel: a PUB drops what it publishes before a SUB has joined, so a
+        caller about to drive traffic should wait here first. False (and a warning) on timeout."""
+        if wait_until(lambda: all(st.connected for st in list(self.subscriber.pods.values())),
+                      timeout_s, 0.05):
+            time.sleep(settle_s)
+            return True
+        missing = sorted(n for n, st in list(self.subscriber.pods.items()) if not st.connected)
+        log.warning("indexer: events of %s not connected after %.0f s; what they publish "
+                    "meanwhile is lost until a replay", missing, timeout_s)
+        return False
+
     def pod_details(self) -> dict[str, dict]:
         out = {}
         for name, st in list(self.subscriber.pods.items()):

@@ -101,11 +101,13 @@ def spinning_threads(pid: int, sample_s: float = 0.5, samples: int = 25) -> list
     return sorted(t for t, n in seen.items() if t != pid and n > SPIN_FRACTION * samples)
 
 
-def place(root_pid: int, core: int | None, sample_s: float = 0.5) -> list[Placement]:
+def place(root_pid: int, core: int | None, sample_s: float = 0.5,
+          demote: bool = True) -> list[Placement]:
     """Fix the placement of every vLLM worker under ``root_pid`` (see the module docstring).
     ``core``: the one core the instance's model should run on (None: leave affinity alone).
     Call it while the instance is idle: a thread that is busy computing then would look like
-    a spinner (the worker's main thread, which computes with one OMP thread, is never touched)."""
+    a spinner (the worker's main thread, which computes with one OMP thread, is never touched).
+    ``demote=False``: only move the model thread back; leave every thread's priority alone."""
     out = []
     for pid in descendants(root_pid):
         if not _comm(pid).startswith(WORKER_COMM):
@@ -115,6 +117,9 @@ def place(root_pid: int, core: int | None, sample_s: float = 0.5) -> list[Placem
             if core is not None and os.sched_getaffinity(pid) != {core}:
                 os.sched_setaffinity(pid, {core})
                 p.rebound = True
+            if not demote:
+                out.append(p)
+                continue
             # Twice, a moment apart: OpenMP/gloo threads may spin-wait for a fraction of a second
             # after work, a busy-polling progress thread spins in both looks.
             first = set(spinning_threads(pid, sample_s))

@@ -27,6 +27,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -198,6 +199,10 @@ class StackSpec(BaseModel):
     kv_cache_gib: int = 1
     base_port: int | None = None  # None: ports picked by the OS
     extra_args: tuple[str, ...] = ()
+    # CPU platform, after start (kvtier.cpu_placement): "full" moves each model thread back to
+    # its core and NIXL's busy-polling threads to SCHED_IDLE; "rebind" only the former; "off"
+    # neither.
+    cpu_placement: Literal["full", "rebind", "off"] = "full"
 
     def instances(self) -> list[InstanceSpec]:
         total = self.prefill + self.decode
@@ -245,6 +250,7 @@ class RunningInstance:
     spec: InstanceSpec
     proc: subprocess.Popen
     log_path: Path
+    log_offset: int = 0  # where this process's output starts (logs append across restarts)
 
     @property
     def url(self) -> str:
@@ -255,7 +261,9 @@ class RunningInstance:
 
     def log_tail(self, n: int = 40) -> str:
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            with open(self.log_path, "rb") as fh:
+                fh.seek(self.log_offset)
+                lines = fh.read().decode(errors="replace").splitlines()
         except OSError:
             return ""
         return "\n".join(lines[-n:])
@@ -263,6 +271,12 @@ class RunningInstance:
 
 class StackStartError(RuntimeError):
     pass
+
+
+PORT_TAKEN = "Address already in use"
+# Log lines that mean a starting server will never become ready, though its
+# process may live on (vLLM's API server outlives a dead engine core).
+START_FATAL = ("EngineCore failed to start", "Engine core initialization failed", PORT_TAKEN)
 
 
 @dataclass
@@ -304,9 +318,9 @@ class LocalStack:
                 # OS-assigned ports are only reserved until we close the probe
                 # socket; another process can take one before vLLM binds it.
                 # Then pick fresh ports and start again.
+                # The engine core may die of it while the API server lives on.
                 lost_race = self.spec.base_port is None and any(
-                    not i.alive() and "Address already in use" in i.log_tail(400)
-                    for i in self.instances)
+                    PORT_TAKEN in i.log_tail(400) for i in self.instances)
                 self.stop()
                 if not lost_race or attempt == attempts:
                     raise
@@ -324,6 +338,7 @@ class LocalStack:
         argv = ispec.argv()
         fh = open(log_path, "ab", buffering=0)
         fh.write(f"$ {shlex.join(argv)}\n".encode())
+        offset = fh.tell()
         # A new session makes the server the leader of its own process group,
         # so stop() also reaches vLLM's engine-core child processes.
         proc = subprocess.Popen(
@@ -332,7 +347,7 @@ class LocalStack:
         )
         fh.close()
         log.info("started %s (pid %d) on %s, log %s", ispec.name, proc.pid, ispec.url, log_path)
-        return RunningInstance(ispec, proc, log_path)
+        return RunningInstance(ispec, proc, log_path, offset)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -343,6 +358,14 @@ class LocalStack:
                     raise StackStartError(
                         f"{inst.spec.name} exited with code {inst.proc.returncode} during "
                         f"startup; last log lines from {inst.log_path}:\n{inst.log_tail()}"
+                    )
+                tail = inst.log_tail(400)
+                fatal = next((m for m in START_FATAL if m in tail), None)
+                if fatal is not None:
+                    # vLLM's API server can outlive a dead engine core, never ready.
+                    raise StackStartError(
+                        f"{inst.spec.name}: {fatal!r} in its log during startup; last log "
+                        f"lines from {inst.log_path}:\n{inst.log_tail()}"
                     )
                 if _healthy(inst.url):
                     log.info("%s ready", inst.spec.name)
@@ -358,13 +381,13 @@ class LocalStack:
 
     def _place(self) -> None:
         """CPU platform: undo vLLM's and NIXL's thread placement (kvtier.cpu_placement)."""
-        if not _is_cpu_platform():
+        if not _is_cpu_platform() or self.spec.cpu_placement == "off":
             return
         from kvtier.cpu_placement import place
 
         for inst in self.instances:
             core = int(inst.spec.cpu_bind) if (inst.spec.cpu_bind or "").isdigit() else None
-            for p in place(inst.proc.pid, core):
+            for p in place(inst.proc.pid, core, demote=self.spec.cpu_placement == "full"):
                 if p.rebound or p.idled:
                     log.info("%s: worker %d %s%s", inst.spec.name, p.pid,
                              f"model thread back on core {core}; " if p.rebound else "",

@@ -24,13 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+from kvtier.router.ab_sweep import run_sweep
+
 from kvtier.ab.costmodel import CostModel, LinkModel, kv_bytes_per_token
 from kvtier.ab.fit import fit_from_records
 from kvtier.ab.records import RunResult
-from kvtier.ab.retention import observed_waits
 from kvtier.ab.report import summary_table, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, parse_list
-from kvtier.ab.traces import SyntheticTraceConfig, Trace, WaitDist, LengthDist, synthetic
+from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
 
 log = logging.getLogger("kvtier.ab")
 
@@ -147,39 +148,29 @@ def run_ab(args: argparse.Namespace) -> int:
                       block_size=args.block_size, max_model_len=max_ctx,
                       kv_bytes_per_token=kvbpt,
                       log_dir=out / "logs", progress=not args.no_progress)
-    results: list[RunResult] = []
-    adaptive_meta: dict[str, dict] = {}
-    ran: list[StrategySpec] = []  # the specs as run (adaptive ones carry their chosen knobs)
     t0 = time.time()
-    for s in specs:
-        if s.adaptive:
-            c = cost
-            if c is None and results:
-                c = fit_from_records(results, kvbpt, args.block_size)
-            if c is not None:
-                waits = observed_waits([t for r in results for t in r.turns], args.time_scale)
-                s = s.with_cost_model(c, waits)
-                adaptive_meta[s.name] = {"kv_recompute_threshold": s.kv_recompute_threshold,
-                                         "min_cached_token_delta": s.min_cached_token_delta,
-                                         "decode_ttl_s": s.decode_ttl_s,
-                                         "recommendation": c.recommend().explanation}
-                if waits and s.device_retention:
-                    adaptive_meta[s.name]["ttl_choice"] = s.adaptive_ttl(c, waits).explanation
-                log.info("%s: from the cost model: kv_recompute_threshold=%d "
-                         "min_cached_token_delta=%d decode_ttl_s=%s (%s)", s.name,
-                         s.kv_recompute_threshold, s.min_cached_token_delta, s.decode_ttl_s,
-                         adaptive_meta[s.name].get("ttl_choice", "no waits observed"))
-        ran.append(s)
-        results.append(run_strategy(s, trace, opts))
+    sw = run_sweep(specs, trace, lambda s, tr: run_strategy(s, tr, opts), cost=cost,
+                   kvbpt=kvbpt, block_size=args.block_size, time_scale=args.time_scale,
+                   log_dir=opts.log_dir)
     meta.update(mode="live", measurement=MEASUREMENT, wall_s=round(time.time() - t0, 1))
-    if adaptive_meta:
-        meta["adaptive"] = adaptive_meta
-    md = finish_report(results, [s.scaled(args.time_scale) for s in ran],
+    if sw.adaptive:
+        meta["adaptive"] = sw.adaptive
+    if sw.failed:
+        meta["failed_strategies"] = sw.failed
+    if not sw.results:
+        log.error("no strategy finished; no report written (logs: %s)", opts.log_dir)
+        return 130 if sw.interrupted else 1
+    md = finish_report(sw.results, [s.scaled(args.time_scale) for s in sw.ran],
                        _scaled_trace(trace, args.time_scale), meta, out, kvbpt,
                        args.prefill, args.decode, args.block_size)
-    print(summary_table(results))
+    print(summary_table(sw.results))
+    if sw.failed:
+        print("\nnot in the report (failed): "
+              + ", ".join(f"{k} ({v})" for k, v in sw.failed.items()))
     print(f"\nreport: {md}")
-    return 0 if all(r.ok_turns for r in results) else 1
+    if sw.interrupted:
+        return 130
+    return 0 if not sw.failed and all(r.ok_turns for r in sw.results) else 1
 
 
 def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wall_trace: Trace,
@@ -226,8 +217,11 @@ def run_ab_report(args: argparse.Namespace) -> int:
         if not m:
             raise SystemExit(f"{src}: report.json does not say the KV bytes per token")
         kvbpt = int(m.group(1))
-    m = re.match(r"(\d+)P(\d+)D", meta.get("topology", "1P1D"))
-    prefill, decode = (int(m.group(1)), int(m.group(2))) if m else (1, 1)
+    if "prefill" in meta and "decode" in meta:
+        prefill, decode = int(meta["prefill"]), int(meta["decode"])
+    else:  # reports written before finish_report stored the counts
+        m = re.match(r"(\d+)P(\d+)D", meta.get("topology", "1P1D"))
+        prefill, decode = (int(m.group(1)), int(m.group(2))) if m else (1, 1)
     specs = [StrategySpec.model_validate(r.meta["strategy_spec"]) for r in results]
     keep = {k: v for k, v in meta.items() if k not in (
         "environment", "cost_model", "cost_model_source", "recommendation", "simulator_skipped")}

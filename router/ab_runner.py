@@ -237,18 +237,10 @@ def indexer_for(stack: LocalStack, model_name: str, block_size: int) -> Iterator
                         block_size=block_size)
     svc = IndexerService(cfg)
     svc.start()
-    # Replay the trace only once every tier's event PUB is connected: a PUB drops what it
-    # publishes before a SUB has joined, and the first turn's blocks would be missing from
-    # the host-bytes ledger (seen: host-p2p e2e reporting 0 bytes held on a fast stack).
-    deadline = time.monotonic() + 15.0
-    while time.monotonic() < deadline:
-        if all(d["connected"] for d in svc.pod_details().values()):
-            time.sleep(0.3)  # the subscription itself travels after the TCP connect
-            break
-        time.sleep(0.05)
-    else:
-        log.warning("indexer: not every pod's tier events connected after 15 s; host bytes "
-                    "held may be undercounted")
+    # Replay the trace only once every tier's event PUB is connected, or the first turn's
+    # blocks go missing from the host-bytes ledger (seen: host-p2p e2e reporting 0 bytes).
+    if not svc.wait_connected(15.0):
+        log.warning("host bytes held may be undercounted")
     try:
         with _UvicornThread(build_app(svc)) as srv:
             yield svc, srv.url

@@ -162,6 +162,10 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     ]
     if meta.get("topology"):
         lines.append(f"- Stack: {meta['topology']}")
+    if meta.get("failed_strategies"):
+        lines += ["", "**Incomplete run.** These strategies failed and are not in the tables "
+                  "(their logs are under `logs/<strategy>/`):"]
+        lines += [f"- `{k}`: {v}" for k, v in meta["failed_strategies"].items()]
     lines += ["", "## Summary", "", summary_table(results), ""]
     lines += ["## Targets (issue #6), from this run's records", "",
               targets_markdown(evaluate_targets(results)), ""]

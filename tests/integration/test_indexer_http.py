@@ -113,7 +113,7 @@ def test_add_and_remove_pod_over_http(client):
         spec = f"n=tcp://127.0.0.1:{pub2.port},replay=tcp://127.0.0.1:{pub2.replay_port}," \
                "p2p=127.0.0.1:9,model=m,topic=kv@n"
         assert client.post("/v1/pods", json={"spec": spec}).status_code == 201
-        assert ready(client.svc, "n")
+        assert ready(client.svc)
         a = Prompt(0, 2)
         pub2.publish([a.stored(0, 2)])
         assert wait_until(lambda: any(m["pod"] == "n" for m in client.post(

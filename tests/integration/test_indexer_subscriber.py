@@ -123,11 +123,9 @@ def connected(svc, name="p"):
     return lambda: svc.pod_status()[name]["connected"]
 
 
-def ready(svc, *names) -> bool:
-    """Connected, and the subscription has had time to reach the PUB (ZMQ slow joiner)."""
-    ok = wait_until(lambda: all(connected(svc, n)() for n in (names or ("p",))))
-    time.sleep(0.1)
-    return ok
+def ready(svc) -> bool:
+    """Every pod connected, and the subscription has had time to reach the PUB."""
+    return svc.wait_connected(10.0, settle_s=0.1)
 
 
 def test_started_after_the_engine_rebuilds_from_replay():
@@ -245,7 +243,9 @@ def test_pod_that_never_answers_does_not_hold_up_others():
     dead = PodSpec(name="dead", events=f"tcp://127.0.0.1:{p1}", replay=f"tcp://127.0.0.1:{p2}")
     try:
         with make([dead, pub.spec()]) as svc:
-            assert ready(svc)
+            assert not svc.wait_connected(1.0)  # "dead" never connects
+            assert wait_until(connected(svc))
+            time.sleep(0.1)
             pub.publish([a.stored(0, 2)])
             assert wait_until(lambda: matched(svc, a) == 2)
             assert wait_until(lambda: svc.pod_details()["dead"]["replay_timeouts"] >= 1)
@@ -262,7 +262,7 @@ def test_pods_added_and_removed_at_runtime():
         with make([]) as svc:
             svc.add_pod(pub1.spec("a"))
             svc.add_pod(pub2.spec("b", p2p="127.0.0.1:7000"))
-            assert ready(svc, "a", "b")
+            assert ready(svc)
             pub1.publish([a.stored(0, 2)])
             pub2.publish([a.stored(0, 1, medium="CPU")])
             assert wait_until(lambda: matched(svc, a, "a") == 2 and
@@ -335,7 +335,7 @@ def test_source_prefers_cpu_peers_by_delta_and_never_the_target():
                  pubs["y"].spec("y", p2p="127.0.0.1:7003"),
                  pubs["z"].spec("z")]                         # no p2p address: not a source
         with make(specs) as svc:
-            assert ready(svc, "t", "x", "y", "z")
+            assert ready(svc)
             pubs["t"].publish([a.stored(0, 2), a.stored(0, 3, "CPU")])
             pubs["x"].publish([a.stored(0, 6, "CPU")])
             pubs["y"].publish([a.stored(0, 6, "CPU"), a.stored(0, 8)])  # GPU does not count
@@ -357,3 +357,20 @@ def test_source_prefers_cpu_peers_by_delta_and_never_the_target():
     finally:
         for p in pubs.values():
             p.close()
+
+
+def test_wait_connected_waits_for_every_pod_and_names_the_missing():
+    pub = Publisher()
+    dead = Publisher(replay=False)
+    dead_spec = dead.spec("dead")
+    dead.close()  # nothing listens on its port now
+    try:
+        with make([pub.spec()]) as svc:
+            assert svc.wait_connected(10.0, settle_s=0.1)
+            a = Prompt(0, 2)
+            pub.publish([a.stored(0, 2)])  # published right after: not dropped
+            assert wait_until(lambda: matched(svc, a) == 2)
+        with make([pub.spec(), dead_spec]) as svc:
+            assert not svc.wait_connected(0.5)
+    finally:
+        pub.close()

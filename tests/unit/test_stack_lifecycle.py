@@ -11,16 +11,22 @@ import kvtier.stack as stack_mod
 from kvtier.stack import LocalStack, StackSpec, StackStartError
 
 # A stand-in for the vLLM server: fails with "Address already in use" while a
-# marker file is absent (and creates it), then serves /health on --port.
+# marker file is absent (and creates it), then serves /health on --port. In mode
+# "engine-dies" the failing start lives on, never healthy (vLLM's API server
+# outliving its dead engine core).
 FAKE_SERVER = textwrap.dedent("""
-    import http.server, os, sys
+    import http.server, os, sys, time
     marker = os.environ["FAKE_MARKER"]
     if os.environ.get("FAKE_MODE") == "crash":
         print("ValueError: model is broken", flush=True); sys.exit(3)
     if not os.path.exists(marker):
         open(marker, "w").close()
+        if os.environ.get("FAKE_MODE") == "engine-dies":
+            print("(EngineCore pid=1) ERROR EngineCore failed to start.", flush=True)
         print("OSError: [Errno 98] Address already " + "in use", flush=True)
         for _ in range(60): print("  traceback line", flush=True)
+        if os.environ.get("FAKE_MODE") == "engine-dies":
+            time.sleep(3600)
         sys.exit(1)
     port = int(sys.argv[sys.argv.index("--port") + 1])
     class H(http.server.BaseHTTPRequestHandler):
@@ -57,4 +63,25 @@ def test_a_crash_at_startup_raises_with_the_log_tail(fake_server, monkeypatch):
                        startup_timeout_s=30)
     with pytest.raises(StackStartError, match="model is broken"):
         stack.start()
+    assert all(not i.alive() for i in stack.instances)
+
+
+@pytest.mark.timeout(90)  # without the log check it would wait out the 600 s startup timeout
+def test_engine_core_dying_of_a_taken_port_restarts_though_the_server_lives(fake_server,
+                                                                            monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "engine-dies")
+    stack = LocalStack(StackSpec(model="/m", prefill=1, decode=0), fake_server / "logs",
+                       startup_timeout_s=600)
+    with stack:
+        assert [i.alive() for i in stack.instances] == [True]
+    assert (fake_server / "marker").exists()  # the first start did fail
+
+
+def test_a_fatal_log_line_fails_the_start_without_waiting(fake_server, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "engine-dies")
+    (fake_server / "marker").unlink(missing_ok=True)
+    stack = LocalStack(StackSpec(model="/m", prefill=1, decode=0, base_port=41200),
+                       fake_server / "logs", startup_timeout_s=600)
+    with pytest.raises(StackStartError, match="EngineCore failed to start"):
+        stack.start()  # fixed ports: no restart, but no 600 s wait either
     assert all(not i.alive() for i in stack.instances)

@@ -1,0 +1,87 @@
+"""The live sweep of ``kvtier ab``: run each strategy in turn on the same trace.
+
+A strategy that fails (its stack does not start, a turn errors out) is logged
+and recorded, and the sweep goes on with the next one, so one fault never
+loses the runs that finished; Ctrl-C stops the sweep and keeps what finished.
+``tiered-adaptive`` is configured from the cost model (given, or fitted to the
+strategies that ran before it) and from the tool waits those runs observed.
+
+Threading model: runs on the caller's thread; each ``run_one`` owns its helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.ab.costmodel import CostModel
+from kvtier.ab.fit import fit_from_records
+from kvtier.ab.records import RunResult
+from kvtier.ab.retention import observed_waits
+from kvtier.ab.strategies import StrategySpec
+from kvtier.ab.traces import Trace
+
+log = logging.getLogger("kvtier.ab")
+
+RunOne = Callable[[StrategySpec, Trace], RunResult]
+
+
+@dataclass
+class Sweep:
+    results: list[RunResult] = field(default_factory=list)
+    ran: list[StrategySpec] = field(default_factory=list)  # as run: adaptive ones carry knobs
+    failed: dict[str, str] = field(default_factory=dict)  # strategy -> why it has no results
+    adaptive: dict[str, dict] = field(default_factory=dict)
+    interrupted: bool = False
+
+
+def configure_adaptive(s: StrategySpec, cost: CostModel | None, done: Sequence[RunResult],
+                       kvbpt: int, block_size: int, time_scale: float
+                       ) -> tuple[StrategySpec, dict | None]:
+    """``s`` with thresholds (and, with device retention, the TTL) from the cost model."""
+    c = cost
+    if c is None and done:
+        c = fit_from_records(list(done), kvbpt, block_size)
+    if c is None:
+        return s, None
+    waits = observed_waits([t for r in done for t in r.turns], time_scale)
+    s = s.with_cost_model(c, waits)
+    info = {"kv_recompute_threshold": s.kv_recompute_threshold,
+            "min_cached_token_delta": s.min_cached_token_delta,
+            "decode_ttl_s": s.decode_ttl_s, "recommendation": c.recommend().explanation}
+    if waits and s.device_retention:
+        info["ttl_choice"] = s.adaptive_ttl(c, waits).explanation
+    log.info("%s: from the cost model: kv_recompute_threshold=%d min_cached_token_delta=%d "
+             "decode_ttl_s=%s (%s)", s.name, s.kv_recompute_threshold, s.min_cached_token_delta,
+             s.decode_ttl_s, info.get("ttl_choice", "no waits observed"))
+    return s, info
+
+
+def run_sweep(specs: Sequence[StrategySpec], trace: Trace, run_one: RunOne, *,
+              cost: CostModel | None, kvbpt: int, block_size: int, time_scale: float,
+              log_dir: Path | None = None) -> Sweep:
+    sw = Sweep()
+    for s in specs:
+        if s.adaptive:
+            s, info = configure_adaptive(s, cost, sw.results, kvbpt, block_size, time_scale)
+            if info is not None:
+                sw.adaptive[s.name] = info
+        try:
+            result = run_one(s, trace)
+        except KeyboardInterrupt:
+            log.warning("interrupted during %s; reporting the %d strategies that finished",
+                        s.name, len(sw.results))
+            sw.failed[s.name] = "interrupted"
+            sw.interrupted = True
+            break
+        except Exception as e:  # one strategy's fault must not lose the others
+            where = f" (its logs: {log_dir / s.name})" if log_dir else ""
+            log.exception("strategy %s failed: %s: %s%s; going on with the rest",
+                          s.name, type(e).__name__, e, where)  # noqa: TRY401 - cause first, then traceback
+            sw.failed[s.name] = f"{type(e).__name__}: {e}"
+            continue
+        sw.results.append(result)
+        sw.ran.append(s)
+    return sw

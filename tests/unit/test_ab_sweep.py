@@ -1,0 +1,75 @@
+"""The live sweep's fault handling: a failing strategy is recorded and the rest still run
+and report; Ctrl-C keeps what finished. The per-strategy runner is the simulator here (the
+live runner is covered by tests/e2e/test_ab_strategies.py)."""
+
+from __future__ import annotations
+
+import json
+
+from kvtier.router.ab_cli import prior_cost_model
+from kvtier.router.ab_sweep import run_sweep
+
+from kvtier.ab.report import write_report
+from kvtier.ab.simulator import FleetSpec, simulate
+from kvtier.ab.strategies import parse_list
+from kvtier.ab.traces import SyntheticTraceConfig, synthetic
+
+KVBPT = 4096
+COST = prior_cost_model(KVBPT)
+TRACE = synthetic(SyntheticTraceConfig(conversations=2, turns=3, seed=3))
+
+
+def runner(fail: dict[str, BaseException]):
+    calls: list[str] = []
+
+    def run_one(spec, trace):
+        calls.append(spec.name)
+        if spec.name in fail:
+            raise fail[spec.name]
+        return simulate(trace, spec, FleetSpec(prefill=1, decode=1), COST, online_ttl=False)
+
+    return run_one, calls
+
+
+def sweep(names: str, run_one, cost=COST):
+    return run_sweep(parse_list(names), TRACE, run_one, cost=cost, kvbpt=KVBPT,
+                     block_size=32, time_scale=1.0)
+
+
+def test_a_failing_strategy_is_recorded_and_the_rest_still_run(tmp_path):
+    run_one, calls = runner({"device-ttl": RuntimeError("decode-0 exited during start")})
+    sw = sweep("recompute,device-ttl,host-p2p,tiered-adaptive", run_one)
+    assert calls == ["recompute", "device-ttl", "host-p2p", "tiered-adaptive"]
+    assert [r.strategy for r in sw.results] == ["recompute", "host-p2p", "tiered-adaptive"]
+    assert [s.name for s in sw.ran] == ["recompute", "host-p2p", "tiered-adaptive"]
+    assert sw.failed == {"device-ttl": "RuntimeError: decode-0 exited during start"}
+    assert not sw.interrupted
+    assert "tiered-adaptive" in sw.adaptive  # configured from the cost model, waits observed
+    md = write_report(sw.results, tmp_path, {"trace": "t", "failed_strategies": sw.failed},
+                      plots=False).read_text()
+    assert "Incomplete run" in md and "decode-0 exited during start" in md
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["meta"]["failed_strategies"] == sw.failed
+
+
+def test_interrupt_stops_the_sweep_and_keeps_what_finished():
+    run_one, calls = runner({"host-p2p": KeyboardInterrupt()})
+    sw = sweep("recompute,device-ttl,host-p2p,tiered", run_one)
+    assert calls == ["recompute", "device-ttl", "host-p2p"]  # tiered never started
+    assert [r.strategy for r in sw.results] == ["recompute", "device-ttl"]
+    assert sw.interrupted and sw.failed == {"host-p2p": "interrupted"}
+
+
+def test_adaptive_without_a_cost_model_is_fitted_from_the_runs_before_it():
+    run_one, _ = runner({})
+    sw = sweep("recompute,device-ttl,host-p2p,tiered-adaptive", run_one, cost=None)
+    info = sw.adaptive["tiered-adaptive"]
+    adaptive = sw.ran[-1]
+    assert info["kv_recompute_threshold"] == adaptive.kv_recompute_threshold
+    assert info["decode_ttl_s"] == adaptive.decode_ttl_s
+
+
+def test_adaptive_first_with_nothing_measured_runs_unconfigured():
+    run_one, calls = runner({})
+    sw = sweep("tiered-adaptive", run_one, cost=None)
+    assert calls == ["tiered-adaptive"] and sw.adaptive == {} and len(sw.results) == 1
