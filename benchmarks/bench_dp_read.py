@@ -43,7 +43,8 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list[int],
-                reps: int, log_dir: Path) -> dict:
+                reps: int, log_dir: Path, rows: list[dict]) -> None:
+    """Measure one variant, appending to ``rows`` as it goes (kept if a later step fails)."""
     cfg = load_config_file("nixl-bidirectional")
     extra = {**cfg["kv_connector_extra_config"], "decoder_kv_blocks_ttl": 60}
     if num_threads is not None:
@@ -52,8 +53,7 @@ def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list
     spec = StackSpec(model=str(model), prefill=1, decode=1, kv_transfer_config=cfg,
                      max_model_len=8192, cpu_placement=placement)
     name = model.name
-    rows = []
-    with LocalStack(spec, log_dir) as st, httpx.Client(timeout=600) as c:
+    with LocalStack(spec, log_dir) as st, httpx.Client(timeout=180) as c:
         p, d = st.prefill[0].url, st.decode[0].url
         complete(c, p, name, ids(0, 64), 1)  # warm up
         for ctx in ctxs:
@@ -86,13 +86,15 @@ def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list
                              "nixl_xfer_s": xfer, "read_tokens": ext})
                 print(f"  {placement}:{num_threads} ctx {ctx} rep {rep}: read {t_read:.3f}s "
                       f"(nixl {xfer:.3f}s, {ext:.0f} tok read) recompute {t_comp:.3f}s", flush=True)
-    return {"placement": placement, "num_threads": num_threads, "rows": rows}
 
 
 def summarize(results: list[dict]) -> str:
     lines = ["| variant | ctx | read p50 (s) | nixl xfer p50 (s) | recompute p50 (s) | read/recompute |",
              "|---|---|---|---|---|---|"]
     for r in results:
+        if r.get("error"):
+            lines.append(f"| {r['placement']}:{r['num_threads']} | failed: {r['error'][:80]} "
+                         f"| | | | |")
         for ctx in sorted({x["ctx"] for x in r["rows"]}):
             xs = [x for x in r["rows"] if x["ctx"] == ctx]
             rd = statistics.median(x["read_s"] for x in xs)
@@ -121,8 +123,17 @@ def main() -> int:
         num_threads = None if nt in ("", "default") else int(nt)
         print(f"variant {placement}:{nt or 'default'} (logs {logs / v.replace(':', '-')})",
               flush=True)
-        results.append(run_variant(model, placement, num_threads, ctxs, args.reps,
-                                   logs / v.replace(":", "-")))
+        rec: dict = {"placement": placement, "num_threads": num_threads, "rows": []}
+        results.append(rec)
+        try:
+            run_variant(model, placement, num_threads, ctxs, args.reps,
+                        logs / v.replace(":", "-"), rec["rows"])
+        except KeyboardInterrupt:
+            rec["error"] = "interrupted"
+            break
+        except Exception as e:  # one variant failing (a hung read, a start failure) keeps the rest
+            rec["error"] = f"{type(e).__name__}: {e}"
+            print(f"variant {v} failed: {rec['error']}", flush=True)
     table = summarize(results)
     print(table)
     if args.out:

@@ -13,14 +13,19 @@ bookkeeping, releasing the children that were not chosen through
 
 Config: MultiConnector's ``kv_connector_extra_config`` plus a ``cost`` table
 parsed once into ``kvtier.path_choice.CostModel`` (one ``paths`` entry per
-child, in the same order)::
+child, in the same order). Preferred: the cost model ``kvtier calibrate --out
+cost.json`` fitted, with the read path each child stands for::
 
     "kv_connector_extra_config": {
       "connectors": [{...NixlConnector...}, {...KVTierConnector...}],
+      "cost": {"fitted": "/etc/kvtier/cost.json", "paths": ["dp_read", "p2p"]}
+    }
+
+or a flat hand-written table (recompute linear in tokens)::
+
       "cost": {"recompute_tokens_per_s": 20000,
                "paths": [{"setup_s": 0.005, "bandwidth_bytes_per_s": 4e9},
                          {"setup_s": 0.0005, "bandwidth_bytes_per_s": 7e9}]}
-    }
 
 ``bytes_per_token`` defaults to the engine's KV bytes per token (all layers).
 
@@ -72,7 +77,8 @@ class CostAwareConnector(MultiConnector):
         extra = ktc.kv_connector_extra_config
         if "cost" not in extra:
             raise ValueError("CostAwareConnector needs kv_connector_extra_config.cost "
-                             "(recompute_tokens_per_s and one paths entry per child)")
+                             "(fitted + paths, or recompute_tokens_per_s + paths; one paths "
+                             "entry per child)")
         cost = CostModel.model_validate(extra["cost"])
         if len(cost.paths) != len(self.sub_connectors):
             raise ValueError(f"cost.paths has {len(cost.paths)} entries for "
@@ -90,7 +96,8 @@ class CostAwareConnector(MultiConnector):
                 return None, False
             offers.append((toks, load_async))
         remaining = max(0, request.num_tokens - num_computed_tokens)
-        choice = choose_path([t for t, _ in offers], remaining, self.cost)
+        choice = choose_path([t for t, _ in offers], remaining, self.cost,
+                             cached=num_computed_tokens)
         self.last_choice = choice
         if choice.path is None:
             return 0, False

@@ -4,7 +4,7 @@
 with its own HTTP port, NIXL side channel, ZMQ KV-event PUB and replay ports,
 waits until every one answers ``/health``, keeps one log file per process,
 and tears the whole process group of each server down on ``stop()``, on
-Ctrl-C and at interpreter exit. It only spawns processes: it never imports
+Ctrl-C, on SIGTERM (turned into ``SystemExit``) and at interpreter exit. It only spawns processes: it never imports
 vllm (vLLM runs in the child interpreter).
 
 Threading model: a stack is driven by one thread. ``stop()`` is idempotent
@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -306,6 +307,7 @@ class LocalStack:
 
     def start(self, attempts: int = 3) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        _exit_on_sigterm()
         atexit.register(self.stop)
         for attempt in range(1, attempts + 1):
             try:
@@ -445,6 +447,24 @@ class LocalStack:
             }
             for i in self.instances
         ]
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM unwind the program (``SystemExit(143)``) instead of killing it.
+
+    By default SIGTERM ends Python without running ``finally`` blocks or ``atexit``,
+    so a ``kill``, a ``timeout`` wrapper or a cancelled CI job would leave every vLLM
+    server running. Only installed from the main thread, and only over the default
+    action: a program that handles SIGTERM itself keeps its handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

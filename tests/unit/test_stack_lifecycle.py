@@ -85,3 +85,39 @@ def test_a_fatal_log_line_fails_the_start_without_waiting(fake_server, monkeypat
     with pytest.raises(StackStartError, match="EngineCore failed to start"):
         stack.start()  # fixed ports: no restart, but no 600 s wait either
     assert all(not i.alive() for i in stack.instances)
+
+
+# A program that starts a stack and waits, as `kvtier ab` or a user's script does.
+OWNER = textwrap.dedent("""
+    import sys, time, pathlib
+    import kvtier.stack as stack_mod
+    from kvtier.stack import LocalStack, StackSpec
+    stack_mod.VLLM_SERVER_ARGV = [sys.executable, "-c", sys.argv[1]]
+    out = pathlib.Path(sys.argv[2])
+    stack = LocalStack(StackSpec(model="/m", prefill=1, decode=0), out / "logs",
+                       startup_timeout_s=30)
+    stack.start()
+    (out / "server.pid").write_text(str(stack.instances[0].proc.pid))
+    time.sleep(120)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_the_owner_stops_its_servers(fake_server):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    (fake_server / "marker").touch()  # the stand-in serves at once
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, FAKE_SERVER, str(fake_server)])
+    pid_file = fake_server / "server.pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and owner.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid_file.exists(), "the owner did not start its stack"
+    server = int(pid_file.read_text())
+    owner.send_signal(signal.SIGTERM)
+    assert owner.wait(timeout=30) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(server, 0)  # gone, not left running
