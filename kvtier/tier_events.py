@@ -9,7 +9,8 @@ indexer's subscriber consumes it unchanged):
   ``token_ids`` always included), ``BlockRemoved``, ``AllBlocksCleared``;
   fields at their default are omitted;
 - a ROUTER replay socket answers a DEALER ``[b"", seq8]`` with every buffered
-  batch from ``seq`` on, then ``[b"", END_SEQ8, b""]``.
+  batch from ``seq`` on as ``[b"", topic, seq8, payload]``, then
+  ``[b"", b"", END_SEQ8, b""]`` (vLLM's ``ZmqEventPublisher._service_replay``).
 
 Block identity: ``block_hashes`` carry the *engine* block hash (the same value
 vLLM's own GPU-medium events carry) when the connector knew it, else the
@@ -162,8 +163,9 @@ class TierEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= start_seq:
-                router.send_multipart([client_id, b"", seq.to_bytes(8, "big"), payload])
-        router.send_multipart([client_id, b"", END_SEQ.to_bytes(8, "big"), b""])
+                router.send_multipart([client_id, b"", self.topic, seq.to_bytes(8, "big"),
+                                       payload])
+        router.send_multipart([client_id, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
 
     def close(self) -> None:
         self._stop.set()

@@ -53,11 +53,12 @@ def test_publish_and_replay_vllm_format():
         dealer.connect(f"tcp://127.0.0.1:{replay_port}")
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         assert dealer.poll(5000)
-        _, rseq, rpayload = dealer.recv_multipart()
+        # vLLM's replay frames: (b"", topic, seq, payload), then (b"", b"", END, b"")
+        _, rtopic, rseq, rpayload = dealer.recv_multipart()
+        assert rtopic == b"kv@p0-cpu"
         assert int.from_bytes(rseq, "big") == 0 and rpayload == payload
         assert dealer.poll(5000)
-        _, end, _ = dealer.recv_multipart()
-        assert int.from_bytes(end, "big") == END_SEQ
+        assert dealer.recv_multipart() == [b"", b"", END_SEQ.to_bytes(8, "big"), b""]
         dealer.close(linger=0)
     finally:
         sub.close(linger=0)

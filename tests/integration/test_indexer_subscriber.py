@@ -276,28 +276,73 @@ def test_pods_added_and_removed_at_runtime():
         pub2.close()
 
 
-def test_replay_from_vllms_own_publisher():
-    kv = pytest.importorskip("vllm.distributed.kv_events")
+class _VllmPublisher:
+    """vLLM's own ZmqEventPublisher (GPU-medium events from the engine)."""
+
+    medium = "GPU"
+
+    def __init__(self, p1, p2, topic):
+        self.kv = pytest.importorskip("vllm.distributed.kv_events")
+        self.pub = self.kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{p1}",
+                                             replay_endpoint=f"tcp://*:{p2}", topic=topic)
+
+    def store(self, prompt, lo):
+        kv = self.kv
+        parent = prompt.eh[lo - 1] if lo else None
+        self.pub.publish(kv.KVEventBatch(ts=0.0, events=[kv.BlockStored(
+            block_hashes=[prompt.eh[lo]], parent_block_hash=parent,
+            token_ids=prompt.toks[lo * BS:(lo + 1) * BS], block_size=BS, lora_id=None,
+            medium="GPU", lora_name=None)]))
+
+    def close(self):
+        self.pub.shutdown()
+
+
+class _TierPublisher:
+    """kvtier's host tier publisher (CPU-medium events from KVTierConnector)."""
+
+    medium = "CPU"
+
+    def __init__(self, p1, p2, topic):
+        from kvtier.tier_events import TierEventPublisher
+
+        self.pub = TierEventPublisher(f"tcp://127.0.0.1:{p1}", f"tcp://127.0.0.1:{p2}", topic)
+
+    def store(self, prompt, lo):
+        from kvtier.host_tier import BlockMeta, TierEvent, TierEventKind
+        from kvtier.ids import EngineBlockHash, RequestKey
+
+        meta = BlockMeta(token_ids=tuple(prompt.toks[lo * BS:(lo + 1) * BS]),
+                         engine_hash=EngineBlockHash(prompt.eh[lo]),
+                         parent_engine_hash=EngineBlockHash(prompt.eh[lo - 1]) if lo else None)
+        self.pub.publish([TierEvent(TierEventKind.STORED, (RequestKey(1000 + lo),), (meta,))],
+                         block_size=BS)
+
+    def close(self):
+        self.pub.close()
+
+
+@pytest.mark.parametrize("impl", [_VllmPublisher, _TierPublisher], ids=["vllm", "kvtier-tier"])
+def test_replay_rebuilds_what_was_published_before_subscribing(impl):
+    # The same contract for every publisher the indexer subscribes to: batches sent before
+    # the indexer started come back by replay, answered (no replay timeout), in order.
     from kvtier.stack import free_ports
 
     p1, p2 = free_ports(2)
-    pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{p1}", replay_endpoint=f"tcp://*:{p2}",
-                               topic="kv@v")
+    pub = impl(p1, p2, "kv@v")
     a = Prompt(0, 4)
     try:
         for lo in range(4):
-            parent = a.eh[lo - 1] if lo else None
-            pub.publish(kv.KVEventBatch(ts=0.0, events=[kv.BlockStored(
-                block_hashes=[a.eh[lo]], parent_block_hash=parent,
-                token_ids=a.toks[lo * BS:(lo + 1) * BS], block_size=BS, lora_id=None,
-                medium="GPU", lora_name=None)]))
+            pub.store(a, lo)
+        time.sleep(0.1)  # the publisher thread has sent (to nobody) and buffered them
         spec = PodSpec(name="v", events=f"tcp://127.0.0.1:{p1}",
                        replay=f"tcp://127.0.0.1:{p2}", topic="kv@v")
         with make([spec]) as svc:
-            assert wait_until(lambda: matched(svc, a, "v") == 4)
-            assert svc.pod_status()["v"]["last_seq"] == 3
+            assert wait_until(lambda: matched(svc, a, "v", tier=pub.medium) == 4)
+            d = svc.pod_details()["v"]
+            assert d["last_seq"] == 3 and d["replay_timeouts"] == 0 and d["missing_batches"] == 0
     finally:
-        pub.shutdown()
+        pub.close()
 
 
 def test_snapshot_restores_and_resumes_after_restart(tmp_path):
