@@ -39,7 +39,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from kvtier.ab.costmodel import LOCAL_PATH, CostModel as FittedCost, LinkModel
+from kvtier.ab.costmodel import LOCAL_PATH, LinkModel
+from kvtier.ab.costmodel import CostModel as FittedCost
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class CostModel(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _one_form(self) -> "CostModel":
+    def _one_form(self) -> CostModel:
         if not self.paths:
             raise ValueError("cost.paths is empty: give one entry per child connector")
         if self.fitted is not None:
@@ -106,7 +107,7 @@ class CostModel(BaseModel):
                                  "give setup_s and bandwidth_bytes_per_s per path")
         return self
 
-    def with_bytes_per_token(self, n: int) -> "CostModel":
+    def with_bytes_per_token(self, n: int) -> CostModel:
         """Fill in the engine's KV bytes per token (the engine's layout wins over a fit's)."""
         if self.bytes_per_token is not None:
             return self

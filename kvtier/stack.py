@@ -298,7 +298,7 @@ class LocalStack:
     def decode(self) -> list[RunningInstance]:
         return [i for i in self.instances if i.spec.role == Role.DECODE]
 
-    def __enter__(self) -> "LocalStack":
+    def __enter__(self) -> LocalStack:
         self.start()
         return self
 
@@ -465,6 +465,16 @@ def _exit_on_sigterm() -> None:
 
 def _raise_exit(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def sigterm_as_interrupt() -> None:
+    """For a command's main thread: SIGTERM acts like Ctrl-C (``KeyboardInterrupt``), so
+    ``kill`` gets the same orderly stop (and partial results) as an interactive interrupt."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _raise_interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import time
 from pathlib import Path
 
 from kvtier.models import PRESETS, build_model
-from kvtier.stack import LocalStack, StackSpec, load_config_file
+from kvtier.stack import LocalStack, StackSpec, load_config_file, sigterm_as_interrupt
 
 
 def resolve_model(model: str) -> str:
@@ -32,7 +31,7 @@ def _stack_up(args: argparse.Namespace) -> int:
     )
     stack = LocalStack(spec, Path(args.log_dir))
     # SIGTERM behaves like Ctrl-C so `kill` also tears the servers down.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    sigterm_as_interrupt()
     try:
         stack.start()
         desc = stack.describe()

@@ -32,6 +32,7 @@ from kvtier.ab.records import RunResult
 from kvtier.ab.report import summary_table, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
+from kvtier.stack import sigterm_as_interrupt
 
 log = logging.getLogger("kvtier.ab")
 
@@ -148,6 +149,7 @@ def run_ab(args: argparse.Namespace) -> int:
                       block_size=args.block_size, max_model_len=max_ctx,
                       kv_bytes_per_token=kvbpt,
                       log_dir=out / "logs", progress=not args.no_progress)
+    sigterm_as_interrupt()  # `kill` stops the sweep as Ctrl-C does: finished strategies report
     t0 = time.time()
     sw = run_sweep(specs, trace, lambda s, tr: run_strategy(s, tr, opts), cost=cost,
                    kvbpt=kvbpt, block_size=args.block_size, time_scale=args.time_scale,

@@ -121,3 +121,22 @@ def test_sigterm_to_the_owner_stops_its_servers(fake_server):
     assert owner.wait(timeout=30) == 128 + signal.SIGTERM
     with pytest.raises(ProcessLookupError):
         os.kill(server, 0)  # gone, not left running
+
+
+def test_a_command_that_turns_sigterm_into_an_interrupt_keeps_it(fake_server):
+    # `kvtier ab` and `kvtier stack up` want Ctrl-C semantics (partial reports); a stack
+    # started under them must not replace that with its own SystemExit.
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stack_mod.sigterm_as_interrupt()
+        mine = signal.getsignal(signal.SIGTERM)
+        (fake_server / "marker").touch()
+        with LocalStack(StackSpec(model="/m", prefill=1, decode=0), fake_server / "logs",
+                        startup_timeout_s=30):
+            assert signal.getsignal(signal.SIGTERM) is mine
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
