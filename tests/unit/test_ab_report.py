@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,10 @@ def test_report_files_and_numbers(tmp_path):
     commit = doc["meta"]["environment"]["git_commit"]  # others may commit meanwhile: use the report's
     assert len(commit) == 40 and commit in text
     assert doc["meta"]["environment"]["cpu_count"] == environment_meta()["cpu_count"]
+    env = environment_meta()
+    if Path("/proc/cpuinfo").exists():  # Linux: the CPU model is stated (speed depends on it)
+        assert env["cpu_model"] and env["cpu_model"] in text
+        assert isinstance(env["cpu_isa"], list)
     by = {s["strategy"]: s for s in doc["summary"]}
     assert by["device-ttl"]["device_block_s"] == pytest.approx(32.0)
     assert by["recompute"]["reuse_rate"] == 0.0

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+import kvtier.stack as stack_mod
 from kvtier.ids import Role
 from kvtier.stack import CONFIG_DIR, PORTS_PER_INSTANCE, StackSpec, load_config_file
 
@@ -32,7 +33,7 @@ def test_argv_and_env_carry_events_nixl_and_transfer_config(monkeypatch):
     assert events["endpoint"] == f"tcp://*:{i.events_port}"
     assert events["replay_endpoint"] == f"tcp://*:{i.replay_port}"
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == cfg
-    assert argv[argv.index("--dtype") + 1] == "float16"  # bf16 SIGILL workaround on CPU
+    assert argv[argv.index("--dtype") + 1] == stack_mod.cpu_dtype()
     env = i.env()
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(i.side_channel_port)
     assert env["KVTIER_P2P_PORT"] == str(i.tier_p2p_port)
@@ -55,3 +56,21 @@ def test_every_shipped_config_is_valid_json_with_a_connector(path):
     cfg = json.loads(path.read_text())
     if "kv_connector" in cfg:  # kv-transfer-configs
         assert cfg.get("kv_role") in {"kv_both", "kv_producer", "kv_consumer"}
+
+
+def test_cpu_dtype_follows_the_cpu_and_the_override(monkeypatch):
+    assert stack_mod.dtype_for_flags({"avx512f", "amx_tile", "avx512_bf16"}) == "float16"  # SIGILL
+    assert stack_mod.dtype_for_flags({"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert stack_mod.dtype_for_flags({"avx2"}) == "float32"
+    stack_mod.cpu_dtype.cache_clear()
+    try:
+        monkeypatch.setenv("KVTIER_CPU_DTYPE", "float32")
+        assert stack_mod.cpu_dtype() == "float32"
+        monkeypatch.setenv("KVTIER_DEVICE", "cpu")
+        assert stack_mod.kv_dtype_bytes() == 4
+        stack_mod.cpu_dtype.cache_clear()
+        monkeypatch.setenv("KVTIER_CPU_DTYPE", "fp8")
+        with pytest.raises(ValueError, match="KVTIER_CPU_DTYPE"):
+            stack_mod.cpu_dtype()
+    finally:
+        stack_mod.cpu_dtype.cache_clear()
