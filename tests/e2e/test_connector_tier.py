@@ -129,9 +129,11 @@ def test_tier_events_replay_cpu_blocks(host_stack):
     stored = []
     try:
         while dealer.poll(10000):
-            _, seq, payload = dealer.recv_multipart()
+            _, topic, seq, payload = dealer.recv_multipart()  # vLLM's replay frames
             if int.from_bytes(seq, "big") == (1 << 64) - 1:
+                assert topic == b"" and payload == b""
                 break
+            assert topic, "replay batches carry the topic frame"
             batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
             stored += [e for e in batch.events if isinstance(e, BlockStored)]
     finally:
