@@ -71,7 +71,12 @@ def cache_root() -> Path:
 def _corpus(seed: int, lines: int = 4000) -> list[str]:
     """Generated English-ish text plus chat/tool vocabulary, so BPE learns merges."""
     rng = random.Random(seed)
-    words = ["the", "agent", "calls", "a", "tool", "and", "reads", "the", "result", "then", "asks", "the", "model", "again", "about", "files", "search", "query", "answer", "json", "error", "status", "request", "response", "token", "cache", "block", "prefill", "decode", "memory", "host", "device", "transfer", "latency", "history", "turn", "user", "assistant", "system", "function", "arguments", "output", "value", "list", "table", "row", "column", "index", "key", "time"]
+    words = (
+        "the agent calls a tool and reads the result then asks the model again about "
+        "files search query answer json error status request response token cache block "
+        "prefill decode memory host device transfer latency history turn user assistant "
+        "system function arguments output value list table row column index key time"
+    ).split()
     out = []
     for _ in range(lines):
         n = rng.randint(4, 24)

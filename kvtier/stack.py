@@ -69,6 +69,26 @@ def dtype_for_flags(flags: set[str]) -> str:
 
 
 @functools.cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(CPU model name, ISA flags) from /proc/cpuinfo; ("", empty) where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "", frozenset()
+    model, flags = "", None
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = val.strip()
+        elif key == "flags" and flags is None:
+            flags = frozenset(val.split())
+        if model and flags is not None:
+            break
+    return model, flags or frozenset()
+
+
+@functools.cache
 def cpu_dtype() -> str:
     """The dtype the stack serves with on the CPU platform: KVTIER_CPU_DTYPE, else by CPU."""
     forced = os.environ.get("KVTIER_CPU_DTYPE")
@@ -76,16 +96,7 @@ def cpu_dtype() -> str:
         if forced not in CPU_DTYPES:
             raise ValueError(f"KVTIER_CPU_DTYPE={forced!r}: use one of {', '.join(CPU_DTYPES)}")
         return forced
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "float32"
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            break
-    return dtype_for_flags(flags)
+    return dtype_for_flags(set(cpu_info()[1]))
 
 
 def kv_dtype_bytes() -> int:

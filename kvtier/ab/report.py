@@ -28,6 +28,8 @@ from pathlib import Path
 
 import msgspec
 
+from kvtier.stack import cpu_info
+
 from .records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult
 from .targets import evaluate as evaluate_targets
 from .targets import markdown as targets_markdown
@@ -61,21 +63,9 @@ _ISA = ("amx_tile", "amx_bf16", "avx512_fp16", "avx512_bf16", "avx512f", "avx2")
 
 
 def _cpu_info() -> dict:
-    """CPU model and the prefill-relevant ISA flags, from /proc/cpuinfo (Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    out: dict = {}
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key = key.strip()
-        if key == "model name" and "cpu_model" not in out:
-            out["cpu_model"] = val.strip()
-        elif key == "flags" and "cpu_isa" not in out:
-            flags = set(val.split())
-            out["cpu_isa"] = [f for f in _ISA if f in flags]
-    return out
+    """CPU model and the prefill-relevant ISA flags (``kvtier.stack.cpu_info``)."""
+    model, flags = cpu_info()
+    return {"cpu_model": model, "cpu_isa": [f for f in _ISA if f in flags]} if model else {}
 
 
 def _git(repo: Path, *args: str) -> str | None:
