@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import os
+import random
 import shlex
 import signal
 import socket
@@ -221,7 +222,50 @@ def _is_cpu_platform() -> bool:
         return True
 
 
+# Listening ports are picked below the kernel's ephemeral range. A port the OS hands out for
+# bind(0) lies inside that range, and so does the source port of every outgoing connection
+# (health polls, vLLM's own ZMQ/Gloo sockets): between our probe and vLLM's bind one of those
+# could take it, and did (several "Address already in use" restarts per stack start were
+# seen). Below the range only another listener can.
+_LOW_PORT_FLOOR = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    # vLLM binds its ZMQ endpoints on every interface ("tcp://*:PORT"): check that, not
+    # only the loopback address.
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports for listeners, below the ephemeral range when it leaves
+    room (see above), else from the OS."""
+    low = _ephemeral_low()
+    if low - _LOW_PORT_FLOOR >= 4 * n:
+        rng = random.SystemRandom()
+        out: list[int] = []
+        for _ in range(50 * n):
+            p = rng.randrange(_LOW_PORT_FLOOR, low)
+            if p not in out and _bindable(p):
+                out.append(p)
+                if len(out) == n:
+                    return out
+    return _os_ports(n)
+
+
+def _os_ports(n: int) -> list[int]:
     """Ask the OS for n distinct free TCP ports on 127.0.0.1."""
     socks, ports = [], []
     try:

@@ -74,3 +74,36 @@ def test_cpu_dtype_follows_the_cpu_and_the_override(monkeypatch):
             stack_mod.cpu_dtype()
     finally:
         stack_mod.cpu_dtype.cache_clear()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable(tmp_path, monkeypatch):
+    # Outgoing connections take source ports inside the ephemeral range; a listener port
+    # picked there can be taken between the probe and vLLM's bind.
+    import socket
+
+    import kvtier.stack as stack
+
+    rng = tmp_path / "ip_local_port_range"
+    rng.write_text("40000\t60999\n")
+    monkeypatch.setattr(stack, "_EPHEMERAL_RANGE", rng)
+    ports = stack.free_ports(16)
+    assert len(set(ports)) == 16
+    assert all(stack._LOW_PORT_FLOOR <= p < 40000 for p in ports)
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", ports[0]))  # free: nothing holds it
+
+
+def test_free_ports_skip_a_taken_port_and_fall_back_without_room(tmp_path, monkeypatch):
+    import socket
+
+    import kvtier.stack as stack
+
+    rng = tmp_path / "ip_local_port_range"
+    rng.write_text(f"{stack._LOW_PORT_FLOOR + 2} 60999\n")  # room for two low ports only
+    monkeypatch.setattr(stack, "_EPHEMERAL_RANGE", rng)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", stack._LOW_PORT_FLOOR))
+        taken.listen()
+        ports = stack.free_ports(4)  # needs more room than there is: the OS picks
+        assert len(set(ports)) == 4 and stack._LOW_PORT_FLOOR not in ports
+        assert not stack._bindable(stack._LOW_PORT_FLOOR)
