@@ -47,12 +47,14 @@ def configure_adaptive(s: StrategySpec, cost: CostModel | None, done: Sequence[R
     if c is None:
         return s, None
     waits = observed_waits([t for r in done for t in r.turns], time_scale)
+    choice = s.adaptive_ttl(c, waits) if waits and s.device_retention else None
     s = s.with_cost_model(c, waits)
     info = {"kv_recompute_threshold": s.kv_recompute_threshold,
             "min_cached_token_delta": s.min_cached_token_delta,
+            "device_retention": s.device_retention,
             "decode_ttl_s": s.decode_ttl_s, "recommendation": c.recommend().explanation}
-    if waits and s.device_retention:
-        info["ttl_choice"] = s.adaptive_ttl(c, waits).explanation
+    if choice is not None:
+        info["ttl_choice"] = choice.explanation
     log.info("%s: from the cost model: kv_recompute_threshold=%d min_cached_token_delta=%d "
              "decode_ttl_s=%s (%s)", s.name, s.kv_recompute_threshold, s.min_cached_token_delta,
              s.decode_ttl_s, info.get("ttl_choice", "no waits observed"))

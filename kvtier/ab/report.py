@@ -188,10 +188,11 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     if meta.get("adaptive"):
         lines += ["## What tiered-adaptive was configured with", ""]
         for name, a in meta["adaptive"].items():
+            device = (f"decode TTL {a.get('decode_ttl_s')} s (trace seconds)"
+                      if a.get("device_retention", True) else "no device retention")
             lines.append(f"- `{name}`: kv_recompute_threshold={a.get('kv_recompute_threshold')}, "
                          f"min_cached_token_delta={a.get('min_cached_token_delta')}, "
-                         f"decode TTL {a.get('decode_ttl_s')} s (trace seconds). "
-                         f"{a.get('ttl_choice', '')}")
+                         f"{device}. {a.get('ttl_choice', '')}")
         lines.append("")
     lines += ["## Median TTFT (ms) by context length", "", _bucket_table(results), ""]
     lines += ["## Reuse by path (tokens)", "",

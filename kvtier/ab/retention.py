@@ -59,6 +59,10 @@ class TtlChoice(msgspec.Struct, frozen=True):
     expected_gain_s: float  # Σ gain of covered waits (seconds of TTFT)
     expected_price_s: float  # Σ holding price at this TTL (seconds of TTFT)
     explanation: str
+    # False: no TTL earns more than it costs (J <= 0 everywhere): retain nothing on the
+    # device at all; ``ttl_s`` is then only the shortest TTL, for a deployment that must
+    # keep the device path on.
+    retain: bool = True
 
 
 def recompute_s(cost: CostModel, n: int) -> float:
@@ -112,14 +116,20 @@ def choose_device_ttl(cost: CostModel, waits: Sequence[WaitSample], *, host_copy
             best_t, best_j, best_gp = t, g - p, (g, p)
     covered = sum(1 for w, _ in obs if w <= best_t) / n_obs
     ttl = min(max_ttl_s, best_t * (1 + TTL_SLACK))
+    retain = best_j > 0
     alt = "a peer host-tier read" if host_copy and "p2p" in cost.reads else "recomputing"
     mean_gain = sum(gain) / len(gain)
     expl = (f"{len(obs)} waits observed; once the device copy is gone the fallback is {alt}; "
             f"a device read saves {mean_gain * 1e3:.3g} ms per turn on average; holding a turn for "
-            f"{horizon_s:g} s costs as much as recomputing it; covering waits up to {best_t:.3g} s "
-            f"({covered:.0%} of them; gain {best_gp[0]:.3g} s, price {best_gp[1]:.3g} s) "
-            f"-> TTL {ttl:.3g} s")
-    return TtlChoice(ttl, best_t, len(obs), covered, best_gp[0], best_gp[1], expl)
+            f"{horizon_s:g} s costs as much as recomputing it; ")
+    if retain:
+        expl += (f"covering waits up to {best_t:.3g} s ({covered:.0%} of them; gain "
+                 f"{best_gp[0]:.3g} s, price {best_gp[1]:.3g} s) -> TTL {ttl:.3g} s")
+    else:
+        expl += (f"no TTL gains more than it costs (the best, {best_t:.3g} s, covers "
+                 f"{covered:.0%} of the waits: gain {best_gp[0]:.3g} s, price "
+                 f"{best_gp[1]:.3g} s) -> no device retention")
+    return TtlChoice(ttl, best_t, len(obs), covered, best_gp[0], best_gp[1], expl, retain)
 
 
 def observed_waits(turns: Sequence, time_scale: float = 1.0) -> list[WaitSample]:

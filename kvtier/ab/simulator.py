@@ -29,7 +29,8 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   it at once; the adaptive strategy uses it directly.)
 - **Adaptive device TTL**: ``adaptive`` strategies re-choose the decode TTL online from
   the tool waits observed so far (`kvtier.ab.retention.choose_device_ttl`, last 512 waits,
-  every 8 new ones); ``online_ttl=False`` keeps it fixed, as a live vLLM stack must.
+  every 8 new ones; TTL 0, no retention, when no TTL pays for its memory); ``online_ttl=False``
+  keeps it fixed, as a live vLLM stack must.
 
 Not modelled: chunked-prefill batching across requests, network contention between
 concurrent reads, decode-side compute interference.
@@ -310,8 +311,10 @@ class _Sim:
         self.waits.append(WaitSample(self.now - t, tokens))
         n = len(self.waits)
         if n >= ADAPTIVE_MIN_WAITS and (n - ADAPTIVE_MIN_WAITS) % ADAPTIVE_REFIT_EVERY == 0:
-            ttl = choose_device_ttl(self.cost, list(self.waits), host_copy=self.p.host_copy and self.p.p2p,
-                                    horizon_s=self.p.horizon_s).ttl_s
+            choice = choose_device_ttl(self.cost, list(self.waits),
+                                       host_copy=self.p.host_copy and self.p.p2p,
+                                       horizon_s=self.p.horizon_s)
+            ttl = choice.ttl_s if choice.retain else 0.0  # 0: keep nothing on the device
             if ttl != self.ttl_s:
                 self.ttl_s = ttl
                 self.ttl_history.append((self.now, ttl))
@@ -354,7 +357,7 @@ class _Sim:
         dec.active_blocks -= blocks
         tokens = self.plans[conv][turn].context_after
         self.finished_at[conv] = (self.now, tokens)
-        if self.p.ttl_s > 0:
+        if self.p.ttl_s > 0 and self.ttl_s > 0:
             ttl = self.ttl_s
             before = dec.retained_total
             dec.retain(_Retained(conv, blocks, tokens, self.now + ttl))

@@ -123,14 +123,22 @@ class StrategySpec(BaseModel):
     def with_cost_model(self, cost, waits: Sequence = ()) -> "StrategySpec":
         """For adaptive strategies: thresholds from ``cost.recommend()`` (a CostModel) and,
         given observed tool waits (``kvtier.ab.retention.WaitSample``), the device TTL from
-        ``choose_device_ttl``."""
+        ``choose_device_ttl`` -- or no device retention at all when no TTL pays for the
+        memory it holds (then the decode node keeps nothing and the router hands the next
+        prefill no D->P params; the host copy and recompute remain)."""
         if not self.adaptive:
             return self
         rec = cost.recommend()
         spec = self.with_thresholds(rec.kv_recompute_threshold, rec.min_cached_token_delta)
         if waits and self.device_retention:
-            spec = spec.with_ttl(self.adaptive_ttl(cost, waits).ttl_s)
+            choice = self.adaptive_ttl(cost, waits)
+            spec = spec.with_ttl(choice.ttl_s) if choice.retain else spec.without_retention()
         return spec
+
+    def without_retention(self) -> "StrategySpec":
+        """The same strategy with the decode node keeping nothing after a turn."""
+        return self.model_copy(update={"device_retention": False, "decode_ttl_s": None,
+                                       "dp_reuse": False})
 
     def adaptive_ttl(self, cost, waits: Sequence):
         """The cost model's device TTL for these waits (a ``TtlChoice``)."""

@@ -48,8 +48,11 @@ def test_host_copy_as_fast_as_device_read_keeps_the_minimum():
     waits = [WaitSample(w, 2000) for w in (1, 2, 3, 5, 8, 13)]
     c = choose_device_ttl(same, waits, host_copy=True)
     assert c.covers_wait_s == MIN_TTL_S and c.covered == pytest.approx(1 / 6)
+    # a device read saves nothing over the host copy: holding only costs -> keep nothing
+    assert not c.retain and "no device retention" in c.explanation
     # the same waits without a host copy: the device copy is worth holding
-    assert choose_device_ttl(same, waits, host_copy=False).covers_wait_s > MIN_TTL_S
+    kept = choose_device_ttl(same, waits, host_copy=False)
+    assert kept.covers_wait_s > MIN_TTL_S and kept.retain
 
 
 def test_long_tail_is_left_to_the_fallback():
@@ -79,6 +82,7 @@ def test_choice_maximizes_the_objective(pairs, host_copy, horizon, p2p_bw):
     assert MIN_TTL_S <= c.covers_wait_s <= c.ttl_s <= MAX_TTL_S
     best = _objective(cost, waits, c.covers_wait_s, host_copy, horizon)
     assert math.isclose(c.expected_gain_s - c.expected_price_s, best, rel_tol=1e-6, abs_tol=1e-9)
+    assert c.retain == (best > 0)
     grid = [MIN_TTL_S + k * (MAX_TTL_S - MIN_TTL_S) / 400 for k in range(401)]
     for t in grid + [w.wait_s for w in waits if MIN_TTL_S <= w.wait_s <= MAX_TTL_S]:
         assert _objective(cost, waits, t, host_copy, horizon) <= best + 1e-9
@@ -100,13 +104,26 @@ def test_observed_waits_from_records():
 
 def test_with_cost_model_sets_ttl_for_adaptive_only():
     waits = [WaitSample(w, 2000) for w in (1, 2, 3, 5, 8)]
-    same = _cost(p2p_bw=4e9, p2p_setup=0.004)
-    ad = builtin("tiered-adaptive").with_cost_model(same, waits)
-    assert ad.decode_ttl_s == pytest.approx(MIN_TTL_S * 1.2)
-    assert builtin("tiered").with_cost_model(same, waits) == builtin("tiered")
+    slow_host = _cost(p2p_bw=2e8, p2p_setup=0.2)  # a device read beats the host copy
+    ad = builtin("tiered-adaptive").with_cost_model(slow_host, waits)
+    assert ad.device_retention and ad.dp_reuse
+    assert ad.decode_ttl_s == pytest.approx(8 * 1.2)
+    assert builtin("tiered").with_cost_model(slow_host, waits) == builtin("tiered")
     # no waits yet: thresholds only, the default TTL stays
-    assert builtin("tiered-adaptive").with_cost_model(same).decode_ttl_s == \
+    assert builtin("tiered-adaptive").with_cost_model(slow_host).decode_ttl_s == \
         builtin("tiered-adaptive").decode_ttl_s
+
+
+def test_with_cost_model_drops_retention_that_buys_nothing():
+    # The host copy reads as fast as the device: no TTL pays for the blocks it holds, so the
+    # adaptive strategy keeps nothing on the decode node (and hands the prefill no D->P params).
+    same = _cost(p2p_bw=4e9, p2p_setup=0.004)
+    ad = builtin("tiered-adaptive").with_cost_model(same, [WaitSample(w, 2000) for w in (3, 5)])
+    assert not ad.device_retention and not ad.dp_reuse and ad.decode_ttl_s is None
+    assert ad.host_tier and ad.peer_fetch
+    nixl = ad.kv_transfer_config()["kv_connector_extra_config"]["connectors"][0]
+    assert nixl["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
+    assert "decode_kv_ttl_s" not in ad.router_settings()
 
 
 def test_simulator_online_ttl_cuts_device_memory_with_a_host_copy():
@@ -122,7 +139,7 @@ def test_simulator_online_ttl_cuts_device_memory_with_a_host_copy():
     frozen = simulate(tr, builtin("tiered-adaptive"), fleet, cost, online_ttl=False)
     hist = online.meta["device_ttl_history"]
     assert hist[0][1] == builtin("tiered-adaptive").decode_ttl_s
-    assert hist[-1][1] == pytest.approx(MIN_TTL_S * 1.2)
+    assert hist[-1][1] == 0.0  # the host copy reads as fast: nothing is kept on the device
     assert frozen.meta["device_ttl_history"] == [(0.0, builtin("tiered-adaptive").decode_ttl_s)]
     assert online.device_block_seconds() < 0.5 * fixed.device_block_seconds()
     # the host copy still serves the turns the device no longer holds
