@@ -2,9 +2,9 @@
 
 Why: in the A/B runs the D->P read (vLLM NixlConnector, bidirectional) was the slowest
 reuse path on this CPU (fitted 0.58 s setup + 0.15 GB/s against ~4-6 GB/s NIXL measured
-between bare processes). Suspects: NIXL's busy-polling threads put at SCHED_IDLE by
-kvtier.cpu_placement (starved while both cores are busy), or vLLM's default four UCX
-worker threads (``num_threads``).
+between bare processes). Found with this script (``--d-busy``): D's NIXL progress thread at
+SCHED_IDLE starves while D decodes other requests, and a READ needs the target's progress;
+kvtier.cpu_placement now uses nice 10 (``full``); ``full-idle`` is the old behaviour.
 
 For each (placement, num_threads) variant this starts a 1P1D bench stack and, per context
 length, runs turn 1 P/D (prefill on P, decode 32 tokens on D, D keeps its blocks), then
@@ -19,11 +19,13 @@ ratio read/recompute per variant; NIXL's own transfer time from vLLM's metrics.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,16 +44,42 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(5, 4000) for _ in range(n)]
 
 
+class BusyDecode:
+    """Keep D decoding another request while P reads from it (the A/B runs' condition: the
+    decode node serves other conversations while a prefill pulls a finished turn)."""
+
+    def __init__(self, url: str, model: str, tokens: int):
+        self.url, self.model, self.tokens = url, model, tokens
+        self._t: threading.Thread | None = None
+
+    def __enter__(self) -> "BusyDecode":
+        def go() -> None:
+            body = {"model": self.model, "prompt": ids(99, 128), "max_tokens": self.tokens,
+                    "temperature": 0, "ignore_eos": True}
+            with httpx.Client(timeout=300) as c:
+                c.post(f"{self.url}/v1/completions", json=body).raise_for_status()
+        self._t = threading.Thread(target=go, daemon=True)
+        self._t.start()
+        time.sleep(1.0)  # past its prefill, into decode
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._t is not None:
+            self._t.join()
+
+
 def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list[int],
-                reps: int, log_dir: Path, rows: list[dict]) -> None:
+                reps: int, log_dir: Path, rows: list[dict], d_busy: int = 0) -> None:
     """Measure one variant, appending to ``rows`` as it goes (kept if a later step fails)."""
     cfg = load_config_file("nixl-bidirectional")
     extra = {**cfg["kv_connector_extra_config"], "decoder_kv_blocks_ttl": 60}
     if num_threads is not None:
         extra["num_threads"] = num_threads
     cfg = {**cfg, "kv_connector_extra_config": extra}
+    # "full-idle": full placement with the spinners at SCHED_IDLE (kvtier before nice 10)
     spec = StackSpec(model=str(model), prefill=1, decode=1, kv_transfer_config=cfg,
-                     max_model_len=8192, cpu_placement=placement)
+                     max_model_len=8192, cpu_placement=placement.removesuffix("-idle"),
+                     spinner_nice=None if placement.endswith("-idle") else 10)
     name = model.name
     with LocalStack(spec, log_dir) as st, httpx.Client(timeout=180) as c:
         p, d = st.prefill[0].url, st.decode[0].url
@@ -69,18 +97,20 @@ def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list
                 x0 = metric(c, p, "vllm:nixl_xfer_time_seconds_sum")
                 e0 = metric(c, p, "vllm:prompt_tokens_by_source_total",
                             source="external_kv_transfer")
-                t0 = time.perf_counter()
-                pre2 = complete(c, p, name, second, 1,
-                                KVTransferParams.prefill_request(reuse=held.nixl).to_wire())
-                t_read = time.perf_counter() - t0
+                with (BusyDecode(d, name, d_busy) if d_busy else contextlib.nullcontext()):
+                    t0 = time.perf_counter()
+                    pre2 = complete(c, p, name, second, 1,
+                                    KVTransferParams.prefill_request(reuse=held.nixl).to_wire())
+                    t_read = time.perf_counter() - t0
                 xfer = metric(c, p, "vllm:nixl_xfer_time_seconds_sum") - x0
                 ext = metric(c, p, "vllm:prompt_tokens_by_source_total",
                              source="external_kv_transfer") - e0
                 complete(c, d, name, second, 1, pre2["kv_transfer_params"])  # D pulls, P frees
                 reset_prefix_cache(c, p)
-                t0 = time.perf_counter()
-                complete(c, p, name, second, 1)
-                t_comp = time.perf_counter() - t0
+                with (BusyDecode(d, name, d_busy) if d_busy else contextlib.nullcontext()):
+                    t0 = time.perf_counter()
+                    complete(c, p, name, second, 1)
+                    t_comp = time.perf_counter() - t0
                 reset_prefix_cache(c, p)
                 rows.append({"ctx": ctx, "rep": rep, "read_s": t_read, "recompute_s": t_comp,
                              "nixl_xfer_s": xfer, "read_tokens": ext})
@@ -110,8 +140,13 @@ def main() -> int:
     ap.add_argument("--model", default="bench")
     ap.add_argument("--ctx", default="1024,4096")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variants", default="full:4,rebind:4,off:4,full:1",
-                    help="placement:num_threads,... (num_threads 'default' = vLLM's)")
+    ap.add_argument("--variants", default="full:4,full-idle:4,rebind:4,off:4,full:1",
+                    help="placement:num_threads,... (placement full|full-idle|rebind|off; "
+                         "full-idle: spinners at SCHED_IDLE, not nice 10; num_threads "
+                         "'default' = vLLM's)")
+    ap.add_argument("--d-busy", type=int, default=0, metavar="TOKENS",
+                    help="keep D decoding a request of this many tokens during each timed "
+                         "turn 2 (read and recompute alike); 0: D idle")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     model = build_model(args.model)
@@ -123,11 +158,12 @@ def main() -> int:
         num_threads = None if nt in ("", "default") else int(nt)
         print(f"variant {placement}:{nt or 'default'} (logs {logs / v.replace(':', '-')})",
               flush=True)
-        rec: dict = {"placement": placement, "num_threads": num_threads, "rows": []}
+        rec: dict = {"placement": placement, "num_threads": num_threads, "d_busy": args.d_busy,
+                     "rows": []}
         results.append(rec)
         try:
             run_variant(model, placement, num_threads, ctxs, args.reps,
-                        logs / v.replace(":", "-"), rec["rows"])
+                        logs / v.replace(":", "-"), rec["rows"], args.d_busy)
         except KeyboardInterrupt:
             rec["error"] = "interrupted"
             break

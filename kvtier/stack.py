@@ -299,6 +299,9 @@ class StackSpec(BaseModel):
     # its core and NIXL's busy-polling threads to SCHED_IDLE; "rebind" only the former; "off"
     # neither.
     cpu_placement: Literal["full", "rebind", "off"] = "full"
+    # "full": the spinners' nice level; None puts them at SCHED_IDLE (starves the READs a
+    # busy instance is the target of: kvtier.cpu_placement's docstring has the numbers).
+    spinner_nice: int | None = Field(10, ge=0, le=19)
 
     def instances(self) -> list[InstanceSpec]:
         total = self.prefill + self.decode
@@ -484,12 +487,15 @@ class LocalStack:
 
         for inst in self.instances:
             core = int(inst.spec.cpu_bind) if (inst.spec.cpu_bind or "").isdigit() else None
-            for p in place(inst.proc.pid, core, demote=self.spec.cpu_placement == "full"):
-                if p.rebound or p.idled:
+            nice = self.spec.spinner_nice
+            for p in place(inst.proc.pid, core, demote=self.spec.cpu_placement == "full",
+                           nice=nice):
+                if p.rebound or p.demoted:
+                    prio = "SCHED_IDLE" if nice is None else f"nice {nice}"
                     log.info("%s: worker %d %s%s", inst.spec.name, p.pid,
                              f"model thread back on core {core}; " if p.rebound else "",
-                             f"{len(p.idled)} spinning thread(s) moved to SCHED_IDLE"
-                             if p.idled else "")
+                             f"{len(p.demoted)} spinning thread(s) moved to {prio}"
+                             if p.demoted else "")
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self._stopped:

@@ -54,14 +54,16 @@ def _stack_up(args: argparse.Namespace) -> int:
 def _stack_place(args: argparse.Namespace) -> int:
     from kvtier.cpu_placement import place
 
-    placed = place(args.pid, args.core)
+    nice = None if args.spinner_nice == "idle" else int(args.spinner_nice)
+    placed = place(args.pid, args.core, nice=nice)
     if not placed:
         print(f"no vLLM worker process (VLLM::Worker) under pid {args.pid}")
         return 1
     for p in placed:
         print(f"worker {p.pid}: " + ("model thread moved to core %s; " % args.core
                                      if p.rebound else "affinity unchanged; ")
-              + f"{len(p.idled)} spinning thread(s) moved to SCHED_IDLE {p.idled}")
+              + f"{len(p.demoted)} spinning thread(s) moved to "
+              + ("SCHED_IDLE" if nice is None else f"nice {nice}") + f" {p.demoted}")
     return 0
 
 
@@ -87,4 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                           "it); run this while the server is idle")
     pl.add_argument("--core", type=int, default=None,
                     help="the core its model should run on (its VLLM_CPU_OMP_THREADS_BIND)")
+    pl.add_argument("--spinner-nice", default="10", choices=[str(n) for n in range(20)] + ["idle"],
+                    metavar="0..19|idle",
+                    help="priority for NIXL's spinning progress threads (default 10; 'idle': "
+                         "SCHED_IDLE, which starves READs this server is the target of)")
     pl.set_defaults(func=_stack_place)

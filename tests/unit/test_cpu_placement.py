@@ -55,11 +55,31 @@ def test_worker_rebound_and_spinner_idled():
         mine = [x for x in placed if x.pid == p.pid]
         assert len(mine) == 1 and mine[0].rebound
         assert os.sched_getaffinity(p.pid) == {want}
-        # Exactly one thread spun: it, and only it, is SCHED_IDLE now.
-        assert len(mine[0].idled) == 1
+        # Exactly one thread spun: it, and only it, runs at nice 10 now.
+        assert len(mine[0].demoted) == 1
+        niced = [t for t in _threads(p.pid) if os.getpriority(os.PRIO_PROCESS, t) == 10]
+        assert niced == mine[0].demoted
+        assert all(os.sched_getscheduler(t) == os.SCHED_OTHER for t in _threads(p.pid))
+        assert os.getpriority(os.PRIO_PROCESS, p.pid) == 0
+        # placing again changes nothing
+        again = [x for x in place(os.getpid(), want, sample_s=0.5) if x.pid == p.pid]
+        assert again[0].demoted == [] and not again[0].rebound
+    finally:
+        p.kill()
+        p.wait()
+
+
+@needs_two_cores
+def test_spinner_idled_on_request():
+    cores = sorted(os.sched_getaffinity(0))
+    p = _start(WORKER_COMM, cores[-1])
+    try:
+        mine = [x for x in place(os.getpid(), cores[0], sample_s=0.5, nice=None) if x.pid == p.pid]
+        assert len(mine[0].demoted) == 1
         idle = [t for t in _threads(p.pid) if os.sched_getscheduler(t) == os.SCHED_IDLE]
-        assert idle == mine[0].idled
-        assert os.sched_getscheduler(p.pid) != os.SCHED_IDLE
+        assert idle == mine[0].demoted
+        with pytest.raises(ValueError):
+            place(os.getpid(), cores[0], nice=25)
     finally:
         p.kill()
         p.wait()
@@ -89,8 +109,9 @@ def test_many_busy_threads_are_left_alone():
     try:
         time.sleep(0.3)
         placed = [x for x in place(os.getpid(), None, sample_s=0.5) if x.pid == p.pid]
-        assert len(placed) == 1 and placed[0].idled == []
+        assert len(placed) == 1 and placed[0].demoted == []
         assert all(os.sched_getscheduler(t) != os.SCHED_IDLE for t in _threads(p.pid))
+        assert all(os.getpriority(os.PRIO_PROCESS, t) == 0 for t in _threads(p.pid))
     finally:
         p.kill()
         p.wait()
