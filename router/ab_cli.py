@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,16 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _flags(args: argparse.Namespace) -> list[str]:
+    out: list[str] = []
+    for k, v in sorted(vars(args).items()):
+        if k in ("func", "command") or v is None or v is False:
+            continue
+        flag = "--" + k.replace("_", "-")
+        out += [flag] if v is True else [flag, str(v)]
+    return out
+
+
 def run_ab(args: argparse.Namespace) -> int:
     _quiet()
     model_dir = resolve_model(args.model)
@@ -131,6 +142,8 @@ def run_ab(args: argparse.Namespace) -> int:
             "conversations": len(trace.conversations),
             "turns": sum(len(c.turns) for c in trace.conversations),
             "time_scale": args.time_scale,
+            # how to run it again (every flag, defaults included)
+            "command": "kvtier ab " + shlex.join(_flags(args)),
             "topology": f"{args.prefill}P{args.decode}D local vLLM stack, block size "
                         f"{args.block_size}, KV {kvbpt} B/token"}
     if args.simulate:

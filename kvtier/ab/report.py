@@ -178,6 +178,8 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     ]
     if meta.get("topology"):
         lines.append(f"- Stack: {meta['topology']}")
+    if meta.get("command"):
+        lines.append(f"- Command: `{meta['command']}`")
     if meta.get("failed_strategies"):
         lines += ["", "**Incomplete run.** These strategies failed and are not in the tables "
                   "(their logs are under `logs/<strategy>/`):"]

@@ -29,9 +29,16 @@ def run(name: str, ttft_scale: float, reuse: bool) -> RunResult:
 def test_report_files_and_numbers(tmp_path):
     results = [run("recompute", 1.0, False), run("device-ttl", 1.0, True)]
     meta = {"model": "tiny", "trace": "synthetic-test", "mode": "live", "conversations": 2,
-            "turns": 6, "measurement": {"ttft": "router prefill leg"}}
+            "turns": 6, "measurement": {"ttft": "router prefill leg"},
+            "command": "kvtier ab --model tiny --time-scale 0.1",
+            "adaptive": {"tiered-adaptive": {"kv_recompute_threshold": 96,
+                                             "min_cached_token_delta": 32,
+                                             "device_retention": False, "decode_ttl_s": None,
+                                             "ttl_choice": "-> no device retention"}}}
     md = write_report(results, tmp_path, meta)
     text = md.read_text()
+    assert "- Command: `kvtier ab --model tiny --time-scale 0.1`" in text
+    assert "min_cached_token_delta=32, no device retention." in text
     for p in PLOTS:
         assert (tmp_path / p).stat().st_size > 1000, p
     assert "synthetic-test" in text and "tiny" in text and "CPUs" in text
