@@ -32,9 +32,9 @@ from typing import Any
 import msgspec
 
 from kvtier.ids import EngineBlockHash
+from kvtier.tier_events import END_SEQ  # noqa: F401 - re-exported: the replay end marker
 
 _U64 = (1 << 64) - 1
-END_SEQ = _U64  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
 
 _decode = msgspec.msgpack.Decoder().decode
 

@@ -38,7 +38,7 @@ from kvtier.host_tier import TierEvent, TierEventKind
 from kvtier.ids import Tier
 
 log = logging.getLogger(__name__)
-END_SEQ = (1 << 64) - 1
+END_SEQ = (1 << 64) - 1  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
 
 
 class _Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
