@@ -2,10 +2,16 @@
 
 What is modelled (and what the live run measures the same way, so `compare` is fair):
 
-- **Prefill instances** serve one prefill at a time, FIFO; a turn joins the shortest queue
-  (ties: lowest index). Service = KV read (if any) + prefill of the rest
-  (`CostModel.ttft_s`) + the P→D hand-off of the whole prompt when the cost model has a
-  ``"pd_transfer"`` link. TTFT = queue + service.
+- **Prefill instances** batch the prefills of concurrent turns, modelled as egalitarian
+  processor sharing (``FleetSpec.prefill_sharing="ps"``, the default): a turn starts the
+  moment it arrives and, while ``n`` turns are active on the instance, each progresses at
+  ``1/n`` of full speed; TTFT = completion − arrival. This is how `kvtier.ab.fit` reads
+  service times out of a live run, so a fitted cost model replays consistently.
+  ``"fifo"`` serves one prefill at a time instead; TTFT = queue + service. Either way a turn
+  goes to the instance with the fewest active and queued turns (ties: lowest index), and
+  service = KV read (if any) + prefill of the rest (`CostModel.ttft_s`) + the P→D hand-off
+  of the whole prompt when the cost model has a ``"pd_transfer"`` link; the read shares the
+  instance like the compute does (as in the fit), and ``transfer_s`` records its unshared time.
 - **Decode instances** batch (no queue); a conversation sticks to the decode instance its
   first turn was given (fewest blocks in use). A turn occupies ``ceil(context/block)``
   device blocks for ``response_tokens × decode_s_per_token``; e2e = TTFT + that.
@@ -32,8 +38,9 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   every 8 new ones; TTL 0, no retention, when no TTL pays for its memory); ``online_ttl=False``
   keeps it fixed, as a live vLLM stack must.
 
-Not modelled: chunked-prefill batching across requests, network contention between
-concurrent reads, decode-side compute interference.
+Not modelled: the shape of vLLM's batching beyond processor sharing (token budgets per
+step, chunk boundaries, a batch's cost not being the sum of its parts), network contention
+between concurrent reads apart from that sharing, decode-side compute interference.
 
 Threading model: `simulate` is a pure function of its arguments (no globals, no clock,
 no randomness), single-threaded; the same inputs give the same `RunResult`.
@@ -47,6 +54,7 @@ import statistics
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,6 +85,9 @@ class FleetSpec(BaseModel):
     block_size: int = Field(32, ge=1)
     # Prefill's own prefix cache in blocks (used only when the strategy turns prefix caching on).
     prefill_cache_blocks: int = Field(0, ge=0)
+    # How a prefill instance serves overlapping turns: "ps" processor sharing (vLLM batches
+    # them; what kvtier.ab.fit assumes), "fifo" one at a time.
+    prefill_sharing: Literal["ps", "fifo"] = "ps"
 
 
 # ------------------------------------------------------------------------------- state
@@ -139,17 +150,65 @@ class _Host:
             self.used -= old[1]
 
 
+# Remaining work (seconds) at or below this is done: absorbs the float drift of 1/n shares.
+_EPS = 1e-9
+
+
+@dataclass
+class _Job:
+    conv: ConversationId
+    turn: int
+    remaining: float  # service seconds left, at the full (unshared) rate
+
+
 @dataclass
 class _Prefill:
+    """One prefill instance. FIFO uses `queue` and `busy`. Processor sharing uses `active`:
+    each job progresses at ``1/len(active)``; remaining work is brought up to date (`advance`)
+    at every arrival and completion on the instance, and only the next completion is
+    scheduled, tagged with `epoch` so that one superseded by a later change is ignored.
+    `active` stays in arrival order, which orders completions that tie."""
+
     queue: deque[tuple[float, ConversationId, int]] = field(default_factory=deque)  # arrival, conv, turn
-    busy_until: float = 0.0
     busy: bool = False
+    active: list[_Job] = field(default_factory=list)
+    last_update: float = 0.0
+    epoch: int = 0
     cache: OrderedDict[ConversationId, int] = field(default_factory=OrderedDict)  # conv -> tokens cached
     cache_used: int = 0
+
+    def load(self) -> int:
+        return len(self.queue) + self.busy + len(self.active)
+
+    def advance(self, now: float) -> None:
+        if self.active:
+            share = (now - self.last_update) / len(self.active)
+            for job in self.active:
+                job.remaining -= share
+        self.last_update = now
+
+    def admit(self, now: float, job: _Job) -> None:
+        self.advance(now)
+        self.active.append(job)
+
+    def take_done(self, now: float) -> list[_Job]:
+        self.advance(now)
+        done = [j for j in self.active if j.remaining <= _EPS]
+        self.active = [j for j in self.active if j.remaining > _EPS]
+        return done
+
+    def next_done(self) -> float | None:
+        """Start a new epoch; when its first job completes if nothing arrives (None: idle)."""
+        self.epoch += 1
+        if not self.active:
+            return None
+        return self.last_update + min(j.remaining for j in self.active) * len(self.active)
 
 
 # Event kinds, in the order they are applied at equal times: expiries and finishes free
 # memory before a prefill looks for it; arrivals queue before a start picks the next turn.
+# Under processor sharing a turn starts within its arrival (no _START), and _PREFILL_DONE
+# carries the instance's epoch instead of the turn.
 _EXPIRE, _FINISH, _PREFILL_DONE, _ARRIVE, _START = range(5)
 
 
@@ -221,7 +280,9 @@ class _Sim:
         self.memory.append(MemorySample(self.p.name, 0.0, 0, 0))
         for conv in self.trace.conversations:
             self.push(conv.start_s, _ARRIVE, (conv.conversation_id, 0))
-        handlers = {_EXPIRE: self.on_expire, _FINISH: self.on_finish, _PREFILL_DONE: self.on_prefill_done,
+        fifo = self.fleet.prefill_sharing == "fifo"
+        handlers = {_EXPIRE: self.on_expire, _FINISH: self.on_finish,
+                    _PREFILL_DONE: self.on_prefill_done if fifo else self.on_shared_done,
                     _ARRIVE: self.on_arrive, _START: self.on_start}
         while self.events:
             t, kind, _, payload = heapq.heappop(self.events)
@@ -243,18 +304,29 @@ class _Sim:
         if conv not in self.decode_of:
             loads = [d.active_blocks + d.retained_blocks() for d in self.decodes]
             self.decode_of[conv] = min(range(len(loads)), key=lambda i: (loads[i], i))
-        i = min(range(len(self.prefills)),
-                key=lambda k: (len(self.prefills[k].queue) + self.prefills[k].busy, k))
-        self.prefills[i].queue.append((self.now, conv, turn))
-        if not self.prefills[i].busy:
-            self.push(self.now, _START, (i,))
+        i = min(range(len(self.prefills)), key=lambda k: (self.prefills[k].load(), k))
+        pf = self.prefills[i]
+        if self.fleet.prefill_sharing == "fifo":
+            pf.queue.append((self.now, conv, turn))
+            if not pf.busy:
+                self.push(self.now, _START, (i,))
+        else:
+            pf.admit(self.now, _Job(conv, turn, self.start_turn(pf, self.now, conv, turn)))
+            self.schedule_shared_done(i)
 
     def on_start(self, i: int) -> None:
+        """FIFO: the idle instance ``i`` takes its next queued turn."""
         pf = self.prefills[i]
         if pf.busy or not pf.queue:
             return
         arrival, conv, turn = pf.queue.popleft()
         pf.busy = True
+        service = self.start_turn(pf, arrival, conv, turn)
+        self.push(self.now + service, _PREFILL_DONE, (i, conv, turn))
+
+    def start_turn(self, pf: _Prefill, arrival: float, conv: ConversationId, turn: int) -> float:
+        """Begin ``turn``'s prefill on ``pf`` now: choose its reuse path, release the device
+        copy it reads or forgoes, note its record's fields; returns its service seconds."""
         spec = self.convs[conv].turns[turn]
         plan = self.plans[conv][turn]
         prompt, proven = plan.prompt_tokens, plan.proven_prefix
@@ -304,7 +376,7 @@ class _Sim:
             reuse_path=path or ("local" if local else "none"), transfer=transfer, outcome=outcome)
         if self.p.local_cache and self.fleet.prefill_cache_blocks:
             self.cache_prompt(pf, conv, prompt)
-        self.push(self.now + service, _PREFILL_DONE, (i, conv, turn))
+        return service
 
     def observe_wait(self, conv: ConversationId) -> None:
         t, tokens = self.finished_at.pop(conv)
@@ -331,9 +403,29 @@ class _Sim:
             return "p2p", n
         return None, 0
 
+    def schedule_shared_done(self, i: int) -> None:
+        t = self.prefills[i].next_done()
+        if t is not None:
+            self.push(t, _PREFILL_DONE, (i, self.prefills[i].epoch))
+
     def on_prefill_done(self, i: int, conv: ConversationId, turn: int) -> None:
+        """FIFO: ``turn`` is prefilled; instance ``i`` takes the next one."""
         self.prefills[i].busy = False
         self.push(self.now, _START, (i,))
+        self.prefill_done(conv, turn)
+
+    def on_shared_done(self, i: int, epoch: int) -> None:
+        """Processor sharing: the jobs of instance ``i`` whose work ran out complete."""
+        pf = self.prefills[i]
+        if epoch != pf.epoch:
+            return  # an arrival or completion since rescheduled the instance
+        done = pf.take_done(self.now)
+        self.schedule_shared_done(i)
+        for job in done:
+            self.prefill_done(job.conv, job.turn)
+
+    def prefill_done(self, conv: ConversationId, turn: int) -> None:
+        """Record ``turn`` (its TTFT ends now) and start its decode."""
         pend = self.pending.pop((conv, turn))
         spec = self.convs[conv].turns[turn]
         plan = self.plans[conv][turn]

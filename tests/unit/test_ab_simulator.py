@@ -129,15 +129,68 @@ def test_thresholds_gate_small_reads():
     assert all(t.reuse_path == "none" for t in strict.follow_ups)
 
 
+FIFO = FLEET.model_copy(update={"prefill_sharing": "fifo"})
+PS = FLEET.model_copy(update={"prefill_sharing": "ps"})
+
+
+def _singles(*turns: tuple[float, int]) -> Trace:
+    """One single-turn conversation per (arrival s, prompt tokens), in that order."""
+    return Trace("singles", 4096, [ConversationSpec(ConversationId(f"c{i}"), at, i, [TurnSpec(prompt, 10, 0.0)])
+                                   for i, (at, prompt) in enumerate(turns)])
+
+
+def _ttfts(r: RunResult) -> list[float]:
+    """TTFTs by (conversation, turn)."""
+    return [t.ttft_s for t in sorted(r.turns, key=lambda t: (t.conversation_id, t.turn))]
+
+
 def test_queueing_on_one_prefill():
-    tr = Trace("q", 4096, [ConversationSpec(ConversationId(f"c{i}"), 0.0, i, [TurnSpec(2000, 10, 0.0)])
-                           for i in range(3)])
+    tr = _singles((0.0, 2000), (0.0, 2000), (0.0, 2000))
     cost = _cost()
-    r = simulate(tr, "recompute", FLEET, cost)
+    r = simulate(tr, "recompute", FIFO, cost)
     one = cost.prefill_s(2000, 0)
     assert sorted(t.ttft_s for t in r.turns) == pytest.approx([one, 2 * one, 3 * one])
-    r2 = simulate(tr, "recompute", FLEET.model_copy(update={"prefill": 3}), cost)
+    r2 = simulate(tr, "recompute", FIFO.model_copy(update={"prefill": 3}), cost)
     assert [t.ttft_s for t in r2.turns] == pytest.approx([one] * 3)
+
+
+def test_processor_sharing_splits_one_prefill_between_equal_turns():
+    tr = _singles((0.0, 2000), (0.0, 2000))
+    cost = _cost()
+    s = cost.prefill_s(2000, 0)
+    assert FleetSpec().prefill_sharing == "ps"  # the fit's assumption is the default
+    assert _ttfts(simulate(tr, "recompute", FIFO, cost)) == pytest.approx([s, 2 * s])
+    assert _ttfts(simulate(tr, "recompute", PS, cost)) == pytest.approx([2 * s, 2 * s])
+    # two instances: no sharing, whatever the discipline
+    assert _ttfts(simulate(tr, "recompute", PS.model_copy(update={"prefill": 2}), cost)) == pytest.approx([s, s])
+
+
+def test_processor_sharing_lets_a_short_turn_overtake_a_long_one():
+    cost = _cost()
+    long_, short = cost.prefill_s(4000, 0), cost.prefill_s(500, 0)
+    at = 0.1
+    assert short < long_ - at  # the short turn arrives early enough to finish first under PS
+    tr = _singles((0.0, 4000), (at, 500))
+    fifo, ps = _ttfts(simulate(tr, "recompute", FIFO, cost)), _ttfts(simulate(tr, "recompute", PS, cost))
+    assert fifo == pytest.approx([long_, long_ - at + short])
+    # the long turn runs alone for `at`, then both at half speed until the short one is done
+    assert ps == pytest.approx([long_ + short, 2 * short])
+    assert ps[1] < fifo[1] and ps[0] > fifo[0]
+
+
+def test_processor_sharing_conserves_work():
+    # two busy periods on one prefill instance, separated by an idle gap
+    burst = [(0.0, 3000), (0.05, 700), (0.2, 1500), (0.3, 200), (100.0, 900), (100.01, 2500), (100.5, 64)]
+    tr, cost = _singles(*burst), _cost()
+    services = [cost.prefill_s(p, 0) for _, p in burst]
+    ends = {}
+    for fleet in (FIFO, PS):
+        r = simulate(tr, "recompute", fleet, cost)
+        done = {t.conversation_id: t.t_start + t.ttft_s for t in r.turns}
+        ends[fleet.prefill_sharing] = [max(done[f"c{i}"] for i in range(4)),
+                                       max(done[f"c{i}"] for i in range(4, 7))]
+    assert ends["ps"] == pytest.approx(ends["fifo"])
+    assert ends["ps"] == pytest.approx([sum(services[:4]), 100.0 + sum(services[4:])])
 
 
 def test_pd_transfer_adds_to_ttft():
@@ -227,11 +280,16 @@ def test_adaptive_beats_fixed_thresholds_on_small_deltas():
 
 
 def test_deterministic():
-    tr = REGIMES["mixed"]
-    fleet = FleetSpec(prefill=2, decode=2, device_blocks_per_decode=300, host_bytes_per_pod=30 << 20, block_size=BS)
-    a = msgspec.json.encode(simulate(tr, "tiered", fleet, _cost()))
-    b = msgspec.json.encode(simulate(tr, "tiered", fleet, _cost()))
-    assert a == b
+    tr = _trace(wait=0.5, n_conv=7, stagger=0.03, strip=20)  # overlapping prefills on both instances
+    runs = {}
+    for sharing in ("ps", "fifo"):
+        fleet = FleetSpec(prefill=2, decode=2, device_blocks_per_decode=300, host_bytes_per_pod=30 << 20,
+                          block_size=BS, prefill_sharing=sharing)
+        runs[sharing] = simulate(tr, "tiered", fleet, _cost())
+        again = simulate(msgspec.json.decode(msgspec.json.encode(tr), type=Trace), "tiered", fleet, _cost())
+        assert msgspec.json.encode(runs[sharing]) == msgspec.json.encode(again)
+    # the trace does overlap prefills, so the PS run took the sharing path
+    assert _ttfts(runs["ps"]) != pytest.approx(_ttfts(runs["fifo"]))
 
 
 def test_cost_model_must_cover_strategy_paths():
