@@ -29,7 +29,7 @@ from kvtier.router.ab_sweep import run_sweep
 
 from kvtier.ab.costmodel import CostModel, LinkModel, kv_bytes_per_token
 from kvtier.ab.fit import fit_from_records
-from kvtier.ab.records import RunResult
+from kvtier.ab.records import RunResult, merge_repeats
 from kvtier.ab.report import environment_meta, summary_table, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
@@ -168,7 +168,7 @@ def run_ab(args: argparse.Namespace) -> int:
     t0 = time.time()
     sw = run_sweep(specs, trace, lambda s, tr: run_strategy(s, tr, opts), cost=cost,
                    kvbpt=kvbpt, block_size=args.block_size, time_scale=args.time_scale,
-                   log_dir=opts.log_dir)
+                   log_dir=opts.log_dir, repeats=args.repeats)
     meta.update(mode="live", measurement=MEASUREMENT, wall_s=round(time.time() - t0, 1))
     if sw.adaptive:
         meta["adaptive"] = sw.adaptive
@@ -203,6 +203,9 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
         fitted = fit_from_records(results, kvbpt, block_size)
         simulated = _simulate(wall_trace, specs_as_run, fitted, prefill, decode, block_size,
                               online_ttl=False)  # live vLLM fixes the TTL at start
+        # Repeated live runs: compare every repeat with the (deterministic) simulation.
+        reps = {r.strategy: int(r.meta.get("repeats", 1)) for r in results}
+        simulated = [merge_repeats([s] * reps.get(s.strategy, 1)) for s in simulated]
         meta.update(cost_model=fitted.model_dump(),
                     cost_model_source="fitted to this run's turns (in-sample)",
                     recommendation=fitted.recommend().model_dump())
@@ -364,11 +367,18 @@ def run_demo(args: argparse.Namespace) -> int:
         model="tiny", strategies=args.strategies, trace=None, out=args.out,
         time_scale=args.time_scale, simulate=False, conversations=3, turns=4, seed=0,
         decode_ttl=None, host_mib=None, prefill=1, decode=1, block_size=32, max_model_len=2048, cost=None,
-        no_progress=False)
+        no_progress=False, repeats=1)
     return run_ab(ns)
 
 
 # ----------------------------------------------------------------- registration ------
+def _positive_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny | bench | model directory")
     p.add_argument("--block-size", type=int, default=32)
@@ -389,6 +399,9 @@ def register(subparsers) -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="ab-report")
+    p.add_argument("--repeats", type=_positive_int, default=1,
+                   help="run every strategy this many times, interleaved (A B C, A B C, ...); "
+                        "medians pool all repeats, memory integrals are per run (live only)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply waits (and device TTLs) by this; <1 shortens a run")
     p.add_argument("--decode-ttl", type=float, default=None,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvtier.ab.costmodel import CostModel
 from kvtier.ab.fit import fit_from_records
-from kvtier.ab.records import RunResult
+from kvtier.ab.records import RunResult, merge_repeats
 from kvtier.ab.retention import observed_waits
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import Trace
@@ -63,27 +63,54 @@ def configure_adaptive(s: StrategySpec, cost: CostModel | None, done: Sequence[R
 
 def run_sweep(specs: Sequence[StrategySpec], trace: Trace, run_one: RunOne, *,
               cost: CostModel | None, kvbpt: int, block_size: int, time_scale: float,
-              log_dir: Path | None = None) -> Sweep:
+              log_dir: Path | None = None, repeats: int = 1) -> Sweep:
+    """Run every strategy ``repeats`` times, interleaved (A B C, A B C, ...: slow drift of a
+    shared machine lands on every strategy alike), and merge each one's repeats
+    (`kvtier.ab.records.merge_repeats`). An adaptive strategy is configured once, before its
+    first run, and keeps that configuration in later repeats. A strategy that fails in any
+    repeat is dropped from the results (its other repeats would not be comparable)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     sw = Sweep()
-    for s in specs:
-        if s.adaptive:
-            s, info = configure_adaptive(s, cost, sw.results, kvbpt, block_size, time_scale)
-            if info is not None:
-                sw.adaptive[s.name] = info
-        try:
-            result = run_one(s, trace)
-        except KeyboardInterrupt:
-            log.warning("interrupted during %s; reporting the %d strategies that finished",
-                        s.name, len(sw.results))
-            sw.failed[s.name] = "interrupted"
-            sw.interrupted = True
+    runs: dict[str, list[RunResult]] = {}
+    configured: dict[str, StrategySpec] = {}
+    done: list[RunResult] = []
+    for rep in range(repeats):
+        for s in specs:
+            if s.name in sw.failed:
+                continue
+            if s.adaptive and s.name not in configured:
+                s, info = configure_adaptive(s, cost, done, kvbpt, block_size, time_scale)
+                if info is not None:
+                    sw.adaptive[s.name] = info
+                configured[s.name] = s
+            s = configured.get(s.name, s)
+            label = f"{s.name} (repeat {rep + 1}/{repeats})" if repeats > 1 else s.name
+            try:
+                result = run_one(s, trace)
+            except KeyboardInterrupt:
+                log.warning("interrupted during %s; reporting the strategies that finished "
+                            "every repeat", label)
+                sw.failed[s.name] = "interrupted"
+                sw.interrupted = True
+                break
+            except Exception as e:  # one strategy's fault must not lose the others
+                where = f" (its logs: {log_dir / s.name})" if log_dir else ""
+                log.exception("strategy %s failed: %s: %s%s; going on with the rest",
+                              label, type(e).__name__, e, where)  # noqa: TRY401 - cause first, then traceback
+                sw.failed[s.name] = f"{type(e).__name__}: {e}"
+                continue
+            done.append(result)
+            runs.setdefault(s.name, []).append(result)
+            if rep == 0:
+                sw.ran.append(s)
+        if sw.interrupted:
             break
-        except Exception as e:  # one strategy's fault must not lose the others
-            where = f" (its logs: {log_dir / s.name})" if log_dir else ""
-            log.exception("strategy %s failed: %s: %s%s; going on with the rest",
-                          s.name, type(e).__name__, e, where)  # noqa: TRY401 - cause first, then traceback
-            sw.failed[s.name] = f"{type(e).__name__}: {e}"
-            continue
-        sw.results.append(result)
-        sw.ran.append(s)
+    sw.results = [merge_repeats(runs[s.name]) for s in sw.ran
+                  if s.name not in sw.failed and len(runs.get(s.name, ())) == repeats]
+    sw.ran = [s for s in sw.ran if s.name not in sw.failed]
+    for s in specs:
+        got = len(runs.get(s.name, ()))
+        if s.name not in sw.failed and 0 < got < repeats:
+            sw.failed[s.name] = f"interrupted after {got} of {repeats} repeats"
     return sw

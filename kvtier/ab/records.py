@@ -19,6 +19,7 @@ Threading model: plain values; derived metrics are pure functions.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 
@@ -72,12 +73,19 @@ class RunResult(msgspec.Struct):
         return [t for t in self.ok_turns if t.turn > 0]
 
     def device_block_seconds(self) -> float:
-        return _integrate([(s.t, float(s.device_blocks_retained)) for s in self.memory],
-                          self.meta.get("t_end"))
+        """Device blocks retained, integrated over the run (per run: the mean over repeats)."""
+        return self._per_run_integral(lambda s: float(s.device_blocks_retained))
 
     def host_gb_seconds(self) -> float:
-        return _integrate([(s.t, s.host_bytes_held / 1e9) for s in self.memory],
-                          self.meta.get("t_end"))
+        return self._per_run_integral(lambda s: s.host_bytes_held / 1e9)
+
+    def _per_run_integral(self, value) -> float:
+        windows = self.meta.get("repeat_windows")
+        if not windows:
+            return _integrate([(s.t, value(s)) for s in self.memory], self.meta.get("t_end"))
+        return statistics.fmean(
+            _integrate([(s.t, value(s)) for s in self.memory if a <= s.t < b], b)
+            for a, b in windows)
 
     def reuse_rate(self) -> float:
         """Share of follow-up turns' prompt tokens that were not recomputed."""
@@ -147,6 +155,47 @@ class RunResult(msgspec.Struct):
             "reuse_by_path": self.reuse_by_path(),
             "turns_by_path": self.turns_by_path(),
         }
+
+
+REPEAT_GAP_S = 1.0  # between repeats on the merged time axis, so no two share an instant
+
+
+def merge_repeats(runs: Sequence[RunResult]) -> RunResult:
+    """Several runs of one strategy on one trace as one result: turns pooled (medians over all
+    of them), memory integrals averaged per run. Repeat k > 0 renames its conversations
+    ``ID~k`` and every repeat is shifted to its own window of the time axis
+    (``meta["repeat_windows"]``), so per-run bookkeeping (waits, overlaps, integrals) never
+    mixes two repeats. ``meta["per_repeat"]`` keeps each repeat's own summary numbers."""
+    if not runs:
+        raise ValueError("no runs to merge")
+    if len({r.strategy for r in runs}) != 1:
+        raise ValueError(f"runs of different strategies: {sorted({r.strategy for r in runs})}")
+    if len(runs) == 1:
+        return runs[0]
+    turns: list[TurnRecord] = []
+    memory: list[MemorySample] = []
+    windows: list[tuple[float, float]] = []
+    offset = 0.0
+    for k, r in enumerate(runs):
+        sfx = f"~{k}" if k else ""
+        turns += [msgspec.structs.replace(t, conversation_id=t.conversation_id + sfx,
+                                          t_start=t.t_start + offset) for t in r.turns]
+        memory += [msgspec.structs.replace(m, t=m.t + offset) for m in r.memory]
+        # the run's own end (its integrals stop there), inside everything it recorded
+        end = r.meta.get("t_end") or _span(r)
+        windows.append((offset, offset + end))
+        offset += max(end, _span(r)) + REPEAT_GAP_S
+    per = [{k: r.summary()[k] for k in ("ttft_p50_s", "ttft_longest_s", "reuse_rate",
+                                       "device_block_s", "host_gb_s")} for r in runs]
+    meta = {**runs[0].meta, "repeats": len(runs), "repeat_windows": windows,
+            "t_end": windows[-1][1], "per_repeat": per}
+    return RunResult(runs[0].strategy, turns, memory, meta)
+
+
+def _span(r: RunResult) -> float:
+    ends = [t.t_start + t.e2e_s for t in r.turns if math.isfinite(t.e2e_s)]
+    ends += [m.t for m in r.memory]
+    return max(ends, default=0.0)
 
 
 def bucket_of(tokens: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:

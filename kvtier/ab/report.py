@@ -196,6 +196,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
                          f"min_cached_token_delta={a.get('min_cached_token_delta')}, "
                          f"{device}. {a.get('ttl_choice', '')}")
         lines.append("")
+    lines += _repeats_section(results)
     lines += ["## Median TTFT (ms) by context length", "", _bucket_table(results), ""]
     lines += ["## Reuse by path (tokens)", "",
               "| strategy | " + " | ".join(REUSE_PATHS) + " |",
@@ -324,6 +325,26 @@ def _save(fig, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------- entry point ---------
+def _repeats_section(results: Sequence[RunResult]) -> list[str]:
+    """Each repeat's own numbers, so the spread between runs of one strategy is visible next
+    to the differences between strategies (the summary pools the turns of all repeats)."""
+    reps = [r for r in results if r.meta.get("per_repeat")]
+    if not reps:
+        return []
+    n = max(len(r.meta["per_repeat"]) for r in reps)
+    head = " | ".join(f"#{k + 1}" for k in range(n))
+    lines = ["## Repeats (run interleaved; the summary pools their turns)", "",
+             f"| strategy | TTFT p50 ms: {head} | device block·s: {head} | reuse rate: {head} |",
+             "|---|" + "---|" * 3]
+    for r in reps:
+        per = r.meta["per_repeat"]
+        lines.append(
+            f"| {r.strategy} | " + " / ".join(f"{p['ttft_p50_s'] * 1e3:.0f}" for p in per)
+            + " | " + " / ".join(f"{p['device_block_s']:,.0f}" for p in per)
+            + " | " + " / ".join(f"{p['reuse_rate']:.1%}" for p in per) + " |")
+    return lines + [""]
+
+
 def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
                  simulated: Sequence[RunResult] | None = None,
                  sim_error: dict | None = None, plots: bool = True) -> Path:

@@ -61,3 +61,28 @@ def test_json_round_trip():
                   [MemorySample("s", 0.5, 3, 4)], {"t_end": 1.0})
     [back] = decode(encode([r]))
     assert back == r
+
+
+def test_merge_repeats_windows_and_renames():
+    import pytest
+
+    from kvtier.ab.records import MemorySample, RunResult, TurnRecord, merge_repeats
+
+    def run(blocks: int, ttft: float) -> RunResult:
+        turns = [TurnRecord("s", "c", i, 100, 50, "dp_read", 50, ttft, 1.0, 0.0, float(2 * i))
+                 for i in range(2)]
+        mem = [MemorySample("s", 0.0, 0, 0), MemorySample("s", 1.0, blocks, 0),
+               MemorySample("s", 3.0, 0, 0)]
+        return RunResult("s", turns, mem, {"t_end": 3.0})
+
+    a, b = run(10, 0.1), run(30, 0.3)
+    m = merge_repeats([a, b])
+    assert m.device_block_seconds() == pytest.approx((20 + 60) / 2)  # the mean of the two runs
+    assert [t.conversation_id for t in m.turns] == ["c", "c", "c~1", "c~1"]
+    assert min(t.t_start for t in m.turns if t.conversation_id == "c~1") >= 3.0
+    assert m.meta["per_repeat"][1]["ttft_p50_s"] == pytest.approx(0.3)
+    assert merge_repeats([a]) is a
+    with pytest.raises(ValueError):
+        merge_repeats([a, RunResult("other")])
+    with pytest.raises(ValueError):
+        merge_repeats([])

@@ -70,3 +70,18 @@ def test_simulator_error_reported(tmp_path):
     md = write_report(meas, tmp_path, {"trace": "t"}, simulated=sim, plots=False).read_text()
     assert "Simulator error" in md and "50.0%" in md
     assert not (tmp_path / PLOTS[0]).exists()
+
+
+def test_repeats_are_shown_each(tmp_path):
+    from kvtier.ab.records import merge_repeats
+
+    merged = merge_repeats([run("device-ttl", 1.0, True), run("device-ttl", 3.0, True)])
+    text = write_report([run("recompute", 1.0, False), merged], tmp_path,
+                        {"trace": "t", "mode": "live"}, plots=False).read_text()
+    assert "## Repeats" in text
+    row = [ln for ln in text.splitlines() if ln.startswith("| device-ttl |") and " / " in ln][0]
+    p50s = [float(x) for x in row.split("|")[2].split("/")]
+    assert p50s[1] == pytest.approx(3 * p50s[0], rel=0.01)
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert {s["strategy"]: s for s in doc["summary"]}["device-ttl"]["device_block_s"] == \
+        pytest.approx(32.0)  # per run, not two runs' worth

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvtier.router.ab_cli import prior_cost_model
 from kvtier.router.ab_sweep import run_sweep
 
@@ -73,3 +75,38 @@ def test_adaptive_first_with_nothing_measured_runs_unconfigured():
     run_one, calls = runner({})
     sw = sweep("tiered-adaptive", run_one, cost=None)
     assert calls == ["tiered-adaptive"] and sw.adaptive == {} and len(sw.results) == 1
+
+
+def test_repeats_interleave_and_merge():
+    run_one, calls = runner({})
+    sw = run_sweep(parse_list("recompute,device-ttl,tiered-adaptive"), TRACE, run_one, cost=COST,
+                   kvbpt=KVBPT, block_size=32, time_scale=1.0, repeats=3)
+    assert calls == ["recompute", "device-ttl", "tiered-adaptive"] * 3  # A B C, A B C, A B C
+    assert [r.strategy for r in sw.results] == ["recompute", "device-ttl", "tiered-adaptive"]
+    one = simulate(TRACE, parse_list("device-ttl")[0], FleetSpec(prefill=1, decode=1), COST,
+                   online_ttl=False)
+    dev = sw.results[1]
+    assert dev.meta["repeats"] == 3 and len(dev.turns) == 3 * len(one.turns)
+    assert len({t.conversation_id for t in dev.turns}) == 3 * len(TRACE.conversations)
+    # identical repeats: the per-run integral is one run's, not three runs' worth
+    assert dev.device_block_seconds() == pytest.approx(one.device_block_seconds())
+    assert [p["device_block_s"] for p in dev.meta["per_repeat"]] == \
+        pytest.approx([one.device_block_seconds()] * 3)
+    # the adaptive strategy was configured once and kept its configuration
+    assert len(sw.ran) == 3 and sw.ran[2].adaptive
+
+
+def test_a_strategy_failing_in_a_later_repeat_is_dropped():
+    n = {"k": 0}
+
+    def run_one(spec, trace):
+        if spec.name == "device-ttl":
+            n["k"] += 1
+            if n["k"] == 2:
+                raise RuntimeError("boom")
+        return simulate(trace, spec, FleetSpec(prefill=1, decode=1), COST, online_ttl=False)
+
+    sw = run_sweep(parse_list("recompute,device-ttl"), TRACE, run_one, cost=COST, kvbpt=KVBPT,
+                   block_size=32, time_scale=1.0, repeats=3)
+    assert [r.strategy for r in sw.results] == ["recompute"]
+    assert sw.failed == {"device-ttl": "RuntimeError: boom"} and n["k"] == 2
