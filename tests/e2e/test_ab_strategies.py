@@ -61,8 +61,9 @@ def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
 
 
 def test_adaptive_short_ttl_hands_long_waits_to_the_host_copy(stack_pool, tiny_model, tmp_path):
-    """tiered-adaptive as the cost model configures it when the host copy is about as fast as a
-    device read: a 1 s device TTL. Waits of 3 s outlive it, so every follow-up is served from a
+    """tiered-adaptive with the shortest device TTL the cost model picks (1 s: a device read pays
+    only for the shortest waits; when it pays for none, the strategy keeps nothing on the device
+    and deploys like host-p2p). Waits of 3 s outlive it, so every follow-up is served from a
     host tier, and the device holds each turn for ~1 s only."""
     spec = builtin("tiered-adaptive").with_ttl(1.0)
     stack = stack_pool.get(spec.stack_spec(tiny_model))
