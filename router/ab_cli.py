@@ -400,7 +400,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="ab-report")
     p.add_argument("--repeats", type=_positive_int, default=1,
-                   help="run every strategy this many times, interleaved (A B C, A B C, ...); "
+                   help="run every strategy this many times, interleaved and rotated (A B C, B C A, ...); "
                         "medians pool all repeats, memory integrals are per run (live only)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply waits (and device TTLs) by this; <1 shortens a run")

@@ -64,8 +64,9 @@ def configure_adaptive(s: StrategySpec, cost: CostModel | None, done: Sequence[R
 def run_sweep(specs: Sequence[StrategySpec], trace: Trace, run_one: RunOne, *,
               cost: CostModel | None, kvbpt: int, block_size: int, time_scale: float,
               log_dir: Path | None = None, repeats: int = 1) -> Sweep:
-    """Run every strategy ``repeats`` times, interleaved (A B C, A B C, ...: slow drift of a
-    shared machine lands on every strategy alike), and merge each one's repeats
+    """Run every strategy ``repeats`` times, interleaved and rotated (A B C, B C A, C A B: slow
+    drift of a shared machine and the position in the sweep land on every strategy alike), and
+    merge each one's repeats
     (`kvtier.ab.records.merge_repeats`). An adaptive strategy is configured once, before its
     first run, and keeps that configuration in later repeats. A strategy that fails in any
     repeat is dropped from the results (its other repeats would not be comparable)."""
@@ -76,7 +77,11 @@ def run_sweep(specs: Sequence[StrategySpec], trace: Trace, run_one: RunOne, *,
     configured: dict[str, StrategySpec] = {}
     done: list[RunResult] = []
     for rep in range(repeats):
-        for s in specs:
+        # Repeat k > 0 starts k places further along the list (A B C, B C A, C A B): a
+        # strategy's position -- right after a heavy one, last in the sweep -- is not a
+        # constant of its numbers.
+        k = rep % len(specs) if specs else 0
+        for s in [*specs[k:], *specs[:k]]:
             if s.name in sw.failed:
                 continue
             if s.adaptive and s.name not in configured:
@@ -106,6 +111,8 @@ def run_sweep(specs: Sequence[StrategySpec], trace: Trace, run_one: RunOne, *,
                 sw.ran.append(s)
         if sw.interrupted:
             break
+    order = {s.name: i for i, s in enumerate(specs)}
+    sw.ran.sort(key=lambda s: order[s.name])
     sw.results = [merge_repeats(runs[s.name]) for s in sw.ran
                   if s.name not in sw.failed and len(runs.get(s.name, ())) == repeats]
     sw.ran = [s for s in sw.ran if s.name not in sw.failed]

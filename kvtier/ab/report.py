@@ -332,7 +332,7 @@ def _repeats_section(results: Sequence[RunResult]) -> list[str]:
     if not reps:
         return []
     n = max(len(r.meta["per_repeat"]) for r in reps)
-    head = " | ".join(f"#{k + 1}" for k in range(n))
+    head = " / ".join(f"#{k + 1}" for k in range(n))
     lines = ["## Repeats (run interleaved; the summary pools their turns)", "",
              f"| strategy | TTFT p50 ms: {head} | device block·s: {head} | reuse rate: {head} |",
              "|---|" + "---|" * 3]

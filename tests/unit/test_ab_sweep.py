@@ -81,7 +81,9 @@ def test_repeats_interleave_and_merge():
     run_one, calls = runner({})
     sw = run_sweep(parse_list("recompute,device-ttl,tiered-adaptive"), TRACE, run_one, cost=COST,
                    kvbpt=KVBPT, block_size=32, time_scale=1.0, repeats=3)
-    assert calls == ["recompute", "device-ttl", "tiered-adaptive"] * 3  # A B C, A B C, A B C
+    assert calls == ["recompute", "device-ttl", "tiered-adaptive",   # A B C
+                     "device-ttl", "tiered-adaptive", "recompute",   # B C A
+                     "tiered-adaptive", "recompute", "device-ttl"]   # C A B
     assert [r.strategy for r in sw.results] == ["recompute", "device-ttl", "tiered-adaptive"]
     one = simulate(TRACE, parse_list("device-ttl")[0], FleetSpec(prefill=1, decode=1), COST,
                    online_ttl=False)
