@@ -111,13 +111,13 @@ def run_sweep(specs: Sequence[StrategySpec], trace: Trace, run_one: RunOne, *,
                 sw.ran.append(s)
         if sw.interrupted:
             break
-    order = {s.name: i for i, s in enumerate(specs)}
-    sw.ran.sort(key=lambda s: order[s.name])
-    sw.results = [merge_repeats(runs[s.name]) for s in sw.ran
-                  if s.name not in sw.failed and len(runs.get(s.name, ())) == repeats]
-    sw.ran = [s for s in sw.ran if s.name not in sw.failed]
     for s in specs:
         got = len(runs.get(s.name, ()))
         if s.name not in sw.failed and 0 < got < repeats:
             sw.failed[s.name] = f"interrupted after {got} of {repeats} repeats"
+    # `ran` and `results` stay index for index (the report simulates `ran`): every strategy
+    # that finished all its repeats, in the order given.
+    order = {s.name: i for i, s in enumerate(specs)}
+    sw.ran = sorted((s for s in sw.ran if s.name not in sw.failed), key=lambda s: order[s.name])
+    sw.results = [merge_repeats(runs[s.name]) for s in sw.ran]
     return sw

@@ -112,3 +112,20 @@ def test_a_strategy_failing_in_a_later_repeat_is_dropped():
                    block_size=32, time_scale=1.0, repeats=3)
     assert [r.strategy for r in sw.results] == ["recompute"]
     assert sw.failed == {"device-ttl": "RuntimeError: boom"} and n["k"] == 2
+
+
+def test_interrupt_in_a_later_repeat_keeps_ran_and_results_in_step():
+    calls: list[str] = []
+
+    def run_one(spec, trace):
+        calls.append(spec.name)
+        if len(calls) == 3:  # repeat 2 runs device-ttl first (rotated), then recompute
+            raise KeyboardInterrupt
+        return simulate(trace, spec, FleetSpec(prefill=1, decode=1), COST, online_ttl=False)
+
+    sw = run_sweep(parse_list("recompute,device-ttl"), TRACE, run_one, cost=COST, kvbpt=KVBPT,
+                   block_size=32, time_scale=1.0, repeats=2)
+    assert calls == ["recompute", "device-ttl", "device-ttl"]
+    assert sw.interrupted and sw.results == [] and sw.ran == []
+    assert sw.failed == {"device-ttl": "interrupted",
+                         "recompute": "interrupted after 1 of 2 repeats"}
