@@ -182,11 +182,12 @@ def merge_repeats(runs: Sequence[RunResult]) -> RunResult:
                                           t_start=t.t_start + offset) for t in r.turns]
         memory += [msgspec.structs.replace(m, t=m.t + offset) for m in r.memory]
         # the run's own end (its integrals stop there), inside everything it recorded
-        end = r.meta.get("t_end") or _span(r)
+        span = _span(r)
+        end = r.meta.get("t_end") or span
         windows.append((offset, offset + end))
-        offset += max(end, _span(r)) + REPEAT_GAP_S
-    per = [{k: r.summary()[k] for k in ("ttft_p50_s", "ttft_longest_s", "reuse_rate",
-                                       "device_block_s", "host_gb_s")} for r in runs]
+        offset += max(end, span) + REPEAT_GAP_S
+    keys = ("ttft_p50_s", "ttft_longest_s", "reuse_rate", "device_block_s", "host_gb_s")
+    per = [{k: summ[k] for k in keys} for summ in (r.summary() for r in runs)]
     meta = {**runs[0].meta, "repeats": len(runs), "repeat_windows": windows,
             "t_end": windows[-1][1], "per_repeat": per}
     return RunResult(runs[0].strategy, turns, memory, meta)
