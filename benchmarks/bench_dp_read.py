@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from kvtier.cpu_placement import SPINNER_NICE
 from kvtier.models import build_model
 from kvtier.stack import LocalStack, StackSpec, load_config_file
 from kvtier.transfer_params import KVTransferParams
@@ -79,7 +80,7 @@ def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list
     # "full-idle": full placement with the spinners at SCHED_IDLE (kvtier before nice 10)
     spec = StackSpec(model=str(model), prefill=1, decode=1, kv_transfer_config=cfg,
                      max_model_len=8192, cpu_placement=placement.removesuffix("-idle"),
-                     spinner_nice=None if placement.endswith("-idle") else 10)
+                     spinner_nice=None if placement.endswith("-idle") else SPINNER_NICE)
     name = model.name
     with LocalStack(spec, log_dir) as st, httpx.Client(timeout=180) as c:
         p, d = st.prefill[0].url, st.decode[0].url

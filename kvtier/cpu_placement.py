@@ -109,6 +109,11 @@ def spinning_threads(pid: int, sample_s: float = 0.5, samples: int = 25) -> list
     return sorted(t for t, n in seen.items() if t != pid and n > SPIN_FRACTION * samples)
 
 
+def priority_name(nice: int | None) -> str:
+    """How ``place`` demotes spinners with this ``nice`` argument, for logs and CLI output."""
+    return "SCHED_IDLE" if nice is None else f"nice {nice}"
+
+
 def _demote(tid: int, nice: int | None) -> bool:
     """Give one thread its low priority; False if it had it already (placed before)."""
     if nice is None:

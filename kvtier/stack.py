@@ -33,6 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvtier.cpu_placement import SPINNER_NICE
 from kvtier.ids import PodId, Role
 
 log = logging.getLogger(__name__)
@@ -296,12 +297,12 @@ class StackSpec(BaseModel):
     base_port: int | None = None  # None: ports picked by the OS
     extra_args: tuple[str, ...] = ()
     # CPU platform, after start (kvtier.cpu_placement): "full" moves each model thread back to
-    # its core and NIXL's busy-polling threads to SCHED_IDLE; "rebind" only the former; "off"
-    # neither.
+    # its core and gives NIXL's busy-polling threads a low priority; "rebind" only the former;
+    # "off" neither.
     cpu_placement: Literal["full", "rebind", "off"] = "full"
     # "full": the spinners' nice level; None puts them at SCHED_IDLE (starves the READs a
     # busy instance is the target of: kvtier.cpu_placement's docstring has the numbers).
-    spinner_nice: int | None = Field(10, ge=0, le=19)
+    spinner_nice: int | None = Field(SPINNER_NICE, ge=0, le=19)
 
     def instances(self) -> list[InstanceSpec]:
         total = self.prefill + self.decode
@@ -483,7 +484,7 @@ class LocalStack:
         """CPU platform: undo vLLM's and NIXL's thread placement (kvtier.cpu_placement)."""
         if not _is_cpu_platform() or self.spec.cpu_placement == "off":
             return
-        from kvtier.cpu_placement import place
+        from kvtier.cpu_placement import place, priority_name
 
         for inst in self.instances:
             core = int(inst.spec.cpu_bind) if (inst.spec.cpu_bind or "").isdigit() else None
@@ -491,11 +492,10 @@ class LocalStack:
             for p in place(inst.proc.pid, core, demote=self.spec.cpu_placement == "full",
                            nice=nice):
                 if p.rebound or p.demoted:
-                    prio = "SCHED_IDLE" if nice is None else f"nice {nice}"
                     log.info("%s: worker %d %s%s", inst.spec.name, p.pid,
                              f"model thread back on core {core}; " if p.rebound else "",
-                             f"{len(p.demoted)} spinning thread(s) moved to {prio}"
-                             if p.demoted else "")
+                             f"{len(p.demoted)} spinning thread(s) moved to "
+                             f"{priority_name(nice)}" if p.demoted else "")
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self._stopped:

@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+from kvtier.cpu_placement import SPINNER_NICE
 from kvtier.models import PRESETS, build_model
 from kvtier.stack import LocalStack, StackSpec, load_config_file, sigterm_as_interrupt
 
@@ -52,7 +53,7 @@ def _stack_up(args: argparse.Namespace) -> int:
 
 
 def _stack_place(args: argparse.Namespace) -> int:
-    from kvtier.cpu_placement import place
+    from kvtier.cpu_placement import place, priority_name
 
     nice = None if args.spinner_nice == "idle" else int(args.spinner_nice)
     placed = place(args.pid, args.core, nice=nice)
@@ -62,8 +63,7 @@ def _stack_place(args: argparse.Namespace) -> int:
     for p in placed:
         print(f"worker {p.pid}: " + ("model thread moved to core %s; " % args.core
                                      if p.rebound else "affinity unchanged; ")
-              + f"{len(p.demoted)} spinning thread(s) moved to "
-              + ("SCHED_IDLE" if nice is None else f"nice {nice}") + f" {p.demoted}")
+              + f"{len(p.demoted)} spinning thread(s) moved to {priority_name(nice)} {p.demoted}")
     return 0
 
 
@@ -89,8 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                           "it); run this while the server is idle")
     pl.add_argument("--core", type=int, default=None,
                     help="the core its model should run on (its VLLM_CPU_OMP_THREADS_BIND)")
-    pl.add_argument("--spinner-nice", default="10", choices=[str(n) for n in range(20)] + ["idle"],
-                    metavar="0..19|idle",
-                    help="priority for NIXL's spinning progress threads (default 10; 'idle': "
-                         "SCHED_IDLE, which starves READs this server is the target of)")
+    pl.add_argument("--spinner-nice", default=str(SPINNER_NICE),
+                    choices=[str(n) for n in range(20)] + ["idle"], metavar="0..19|idle",
+                    help=f"priority for NIXL's spinning progress threads (default {SPINNER_NICE}; "
+                         "'idle': SCHED_IDLE, which starves READs this server is the target of)")
     pl.set_defaults(func=_stack_place)
