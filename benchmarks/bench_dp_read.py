@@ -52,13 +52,22 @@ class BusyDecode:
     def __init__(self, url: str, model: str, tokens: int):
         self.url, self.model, self.tokens = url, model, tokens
         self._t: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def maybe(cls, url: str, model: str, tokens: int):
+        """A BusyDecode when ``tokens`` > 0, else a context that does nothing."""
+        return cls(url, model, tokens) if tokens else contextlib.nullcontext()
 
     def __enter__(self) -> "BusyDecode":
         def go() -> None:
             body = {"model": self.model, "prompt": ids(99, 128), "max_tokens": self.tokens,
                     "temperature": 0, "ignore_eos": True}
-            with httpx.Client(timeout=300) as c:
-                c.post(f"{self.url}/v1/completions", json=body).raise_for_status()
+            try:
+                with httpx.Client(timeout=300) as c:
+                    c.post(f"{self.url}/v1/completions", json=body).raise_for_status()
+            except BaseException as e:  # noqa: BLE001 - re-raised in __exit__
+                self._error = e
         self._t = threading.Thread(target=go, daemon=True)
         self._t.start()
         time.sleep(1.0)  # past its prefill, into decode
@@ -67,6 +76,9 @@ class BusyDecode:
     def __exit__(self, *exc) -> None:
         if self._t is not None:
             self._t.join()
+        if self._error is not None and exc[0] is None:
+            # D was not busy after all: this sample would measure the idle case
+            raise RuntimeError(f"the busy decode failed: {self._error}") from self._error
 
 
 def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list[int],
@@ -98,7 +110,7 @@ def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list
                 x0 = metric(c, p, "vllm:nixl_xfer_time_seconds_sum")
                 e0 = metric(c, p, "vllm:prompt_tokens_by_source_total",
                             source="external_kv_transfer")
-                with (BusyDecode(d, name, d_busy) if d_busy else contextlib.nullcontext()):
+                with BusyDecode.maybe(d, name, d_busy):
                     t0 = time.perf_counter()
                     pre2 = complete(c, p, name, second, 1,
                                     KVTransferParams.prefill_request(reuse=held.nixl).to_wire())
@@ -108,7 +120,7 @@ def run_variant(model: Path, placement: str, num_threads: int | None, ctxs: list
                              source="external_kv_transfer") - e0
                 complete(c, d, name, second, 1, pre2["kv_transfer_params"])  # D pulls, P frees
                 reset_prefix_cache(c, p)
-                with (BusyDecode(d, name, d_busy) if d_busy else contextlib.nullcontext()):
+                with BusyDecode.maybe(d, name, d_busy):
                     t0 = time.perf_counter()
                     complete(c, p, name, second, 1)
                     t_comp = time.perf_counter() - t0
