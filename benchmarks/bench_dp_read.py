@@ -4,7 +4,7 @@ Why: in the A/B runs the D->P read (vLLM NixlConnector, bidirectional) was the s
 reuse path on this CPU (fitted 0.58 s setup + 0.15 GB/s against ~4-6 GB/s NIXL measured
 between bare processes). Found with this script (``--d-busy``): D's NIXL progress thread at
 SCHED_IDLE starves while D decodes other requests, and a READ needs the target's progress;
-kvtier.cpu_placement now uses nice 10 (``full``); ``full-idle`` is the old behaviour.
+kvtier.devstack.placement now uses nice 10 (``full``); ``full-idle`` is the old behaviour.
 
 For each (placement, num_threads) variant this starts a 1P1D bench stack and, per context
 length, runs turn 1 P/D (prefill on P, decode 32 tokens on D, D keeps its blocks), then
@@ -31,9 +31,11 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.cpu_placement import SPINNER_NICE
-from kvtier.models import build_model
-from kvtier.stack import LocalStack, StackSpec, load_config_file
+from kvtier.configs import load_config_file
+from kvtier.devstack.models import build_model
+from kvtier.devstack.placement import SPINNER_NICE
+from kvtier.devstack.spec import StackSpec
+from kvtier.devstack.stack import LocalStack
 from kvtier.transfer_params import KVTransferParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.host_pool import HostPool
-from kvtier.host_tier import HostTier
 from kvtier.ids import RequestKey
-from kvtier.stack import free_ports
+from kvtier.runtime import free_ports
+from kvtier.tier.manager import HostTier
+from kvtier.tier.pool import HostPool
 
 
 @dataclass(frozen=True)
@@ -135,14 +135,14 @@ def bench_store_load(g: Geometry, blocks: int, reps: int, scattered: bool,
 
 
 def _ident(g: Geometry):
-    from kvtier.peer import Identity
+    from kvtier.tier.peer import Identity
 
     return Identity("bench", g.block_size, 0, "bench-layout", g.slot_bytes)
 
 
 def _source(port: int, blocks: int, g: Geometry, conn) -> None:
-    from kvtier.nixl_transport import NixlPool
-    from kvtier.peer import PeerServer
+    from kvtier.tier.nixl import NixlPool
+    from kvtier.tier.peer import PeerServer
 
     pool = HostPool(blocks, g.slot_bytes)
     pool.array[:] = np.random.default_rng(1).integers(0, 255, pool.array.shape, dtype=np.uint8)
@@ -157,8 +157,8 @@ def _source(port: int, blocks: int, g: Geometry, conn) -> None:
 
 
 def bench_peer(g: Geometry, blocks: int, reps: int) -> dict:
-    from kvtier.nixl_transport import NixlPool
-    from kvtier.peer import PeerClient, Welcome, Hello
+    from kvtier.tier.nixl import NixlPool
+    from kvtier.tier.peer import Hello, PeerClient, Welcome
 
     port = free_ports(1)[0]
     ctx = mp.get_context("spawn")

@@ -16,7 +16,7 @@ is created after the pin) pinned to one CPU:
 2. lookup latency for prompts of 1k / 32k / 128k tokens over 8 / 64 / 512
    pods: every pod holds a prefix of the prompt of a different length (all
    share at least the first block: a common system prompt).
-   - hashing: kvtier.indexer.keys.request_keys (from a list and from a numpy
+   - hashing: kvtier.hashing.RequestKeyHasher.keys (from a list and from a numpy
      array; and the reference RequestKeyHasher.keys) vs compute_block_hash_for_seq;
    - matching: MemoryIndex.lookup vs RadixTree.find_matches;
    - total = both.
@@ -34,13 +34,12 @@ import sys
 import time
 
 import numpy as np
+from kvtier.indexer.index import MemoryIndex
+from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
 
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
-from kvtier.indexer import events as ev
-from kvtier.indexer.index import MemoryIndex
-from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
-from kvtier.indexer.keys import request_keys
+from kvtier.wire import kv_events as ev
 
 BS = 32
 MODEL = "bench"
@@ -173,13 +172,12 @@ def bench_lookup(n_tokens: int, n_pods: int, reps: int) -> dict:
     arr = np.asarray(toks, dtype=np.uint32)
     r = {"tokens": n_tokens, "pods": n_pods, "reps": reps}
     for name, fn in (
-        ("hash_kvtier", lambda: request_keys(hasher, toks)),
-        ("hash_kvtier_ndarray", lambda: request_keys(hasher, arr)),
-        ("hash_kvtier_reference", lambda: hasher.keys(toks)),
+        ("hash_kvtier", lambda: hasher.keys(toks)),
+        ("hash_kvtier_ndarray", lambda: hasher.keys(arr)),
         ("hash_dynamo", lambda: compute_block_hash_for_seq(toks, BS)),
         ("match_kvtier", lambda: idx.lookup(keys)),
         ("match_dynamo", lambda: tree.find_matches(th)),
-        ("total_kvtier", lambda: idx.lookup(request_keys(hasher, toks))),
+        ("total_kvtier", lambda: idx.lookup(hasher.keys(toks))),
         ("total_dynamo", lambda: tree.find_matches(compute_block_hash_for_seq(toks, BS))),
     ):
         fn()  # warm

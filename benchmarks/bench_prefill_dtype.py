@@ -25,8 +25,10 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.models import build_model
-from kvtier.stack import LocalStack, StackSpec, load_config_file
+from kvtier.configs import load_config_file
+from kvtier.devstack.models import build_model
+from kvtier.devstack.spec import StackSpec
+from kvtier.devstack.stack import LocalStack
 
 
 def _time_prefill(c: httpx.Client, url: str, model: str, n: int, rng: random.Random,

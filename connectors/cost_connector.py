@@ -5,14 +5,14 @@ any tokens. That is the wrong choice whenever a later child is cheaper: e.g.
 the local host tier holds turn 1's prompt (a memcpy away) while
 NixlConnector offers prompt + a few generated tokens from another host (a
 NIXL handshake and transfer away). This connector asks every child, as
-MultiConnector does, and then lets ``kvtier.path_choice.choose_path`` pick the
+MultiConnector does, and then lets ``kvtier.cost.decide.choose_path`` pick the
 child (or plain recompute) with the lowest expected time. Everything else
 (saving to all children, merging ``kv_transfer_params``, async-save
 bookkeeping, releasing the children that were not chosen through
 ``update_state_after_alloc(..., 0)``) is MultiConnector's.
 
 Config: MultiConnector's ``kv_connector_extra_config`` plus a ``cost`` table
-parsed once into ``kvtier.path_choice.CostModel`` (one ``paths`` entry per
+parsed once into ``kvtier.cost.decide.CostModel`` (one ``paths`` entry per
 child, in the same order). Preferred: the cost model ``kvtier calibrate --out
 cost.json`` fitted, with the read path each child stands for::
 
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-from kvtier.path_choice import Choice, CostModel, choose_path
+from kvtier.cost.decide import Choice, CostModel, choose_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -6,7 +6,7 @@ worker role a ``TierWorker`` (byte copies between vLLM's KV tensors and the
 shared host pool). Both halves open the same pool by engine id.
 
 Config: ``kv_connector_extra_config`` parsed once into
-``kvtier.tier_config.HostTierConfig``.
+``kvtier.tier.config.HostTierConfig``.
 
 Threading model: vLLM calls the scheduler-role methods from its scheduler
 thread and the worker-role methods from the model runner thread; each half
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.connectors.tier_scheduler import TierScheduler
+from kvtier.connectors.tier_worker import LoadOp, StoreOp, TierWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -29,15 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.hashing import RequestKeyHasher
-from kvtier.host_pool import HostPool
-from kvtier.host_tier import HostTier
-from kvtier.transfer_params import KVTransferParams
 from kvtier.ids import ModelName
-from kvtier.tier_config import HostTierConfig
-from kvtier.tier_events import TierEventPublisher
-
-from .tier_scheduler import TierScheduler
-from .tier_worker import LoadOp, StoreOp, TierWorker
+from kvtier.tier.config import HostTierConfig
+from kvtier.tier.events import TierEventPublisher
+from kvtier.tier.manager import HostTier
+from kvtier.tier.pool import HostPool
+from kvtier.transfer_params import KVTransferParams
 
 try:  # vLLM >= 0.30 labels external hits by source
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore
@@ -146,8 +145,8 @@ class KVTierConnector(KVConnectorBase_V1):
                  num_slots, self.geometry.slot_bytes, self.model, self.geometry.layout)
 
     def _start_peer(self, pool_tag: str, num_slots: int) -> None:
-        from kvtier.nixl_transport import NixlPool
-        from kvtier.peer import Identity, PeerClient, PeerServer
+        from kvtier.tier.nixl import NixlPool
+        from kvtier.tier.peer import Identity, PeerClient, PeerServer
 
         assert self.sched is not None and self.cfg.p2p_port is not None
         g = self.geometry
@@ -161,7 +160,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.sched.min_delta = self.cfg.min_cached_token_delta
 
     def _start_metrics(self, tier: HostTier, pool_tag: str) -> None:
-        from kvtier.tier_metrics import TierCollector, TierMetricsServer
+        from kvtier.tier.metrics import TierCollector, TierMetricsServer
 
         assert self.sched is not None and self.cfg.metrics_port is not None
         lock = self.sched.lock

@@ -25,13 +25,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from kvtier.hashing import RequestKeyHasher, to_external
-from kvtier.host_tier import BlockMeta, HostTier, LoadJob
-from kvtier.ids import EngineBlockHash, RequestKey
-from kvtier.peer import PeerClient
-from kvtier.transfer_params import RemoteKVSource
+from kvtier.connectors.tier_worker import LoadOp, StoreOp
 
-from .tier_worker import LoadOp, StoreOp
+from kvtier.hashing import RequestKeyHasher, to_external
+from kvtier.ids import EngineBlockHash, RequestKey
+from kvtier.tier.manager import BlockMeta, HostTier, LoadJob
+from kvtier.tier.peer import PeerClient
+from kvtier.transfer_params import RemoteKVSource
 
 log = logging.getLogger(__name__)
 

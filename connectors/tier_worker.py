@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.host_pool import HostPool
+from kvtier.tier.pool import HostPool
 
 log = logging.getLogger(__name__)
 

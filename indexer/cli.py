@@ -13,9 +13,8 @@ import argparse
 import logging
 import sys
 
+from kvtier.indexer.config import IndexerConfig, PodSpec
 from pydantic import ValidationError
-
-from .config import IndexerConfig, PodSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError, OSError) as e:
         print(f"kvtier indexer: bad configuration: {e}", file=sys.stderr)
         return 2
-    from .http import serve
-    from .service import IndexerService
+    from kvtier.indexer.http import serve
+    from kvtier.indexer.service import IndexerService
 
     log.info("indexer on http://%s:%d, backend %s, %d pod(s)", cfg.host, cfg.port, cfg.backend,
              len(cfg.pods))

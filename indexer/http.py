@@ -22,13 +22,13 @@ from contextlib import asynccontextmanager
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
+from kvtier.indexer.config import PodSpec
+from kvtier.indexer.service import IndexerService, InputError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import PodSpec
-from .messages import AddPodRequest, LookupRequest, SourceRequest
-from .service import IndexerService, InputError
+from kvtier.wire.indexer_api import AddPodRequest, LookupRequest, SourceRequest
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()

@@ -20,12 +20,17 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvtier.indexer.index import KVIndex
+
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, RequestKey, Tier
-
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, UnknownEvent
-from .index import KVIndex
-from .keys import request_keys
+from kvtier.wire.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    UnknownEvent,
+)
 
 _MEDIA = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU}
 
@@ -112,7 +117,7 @@ class EventApplier:
             c.dropped["short_token_ids"] += n - full
         if full == 0:
             return
-        keys = request_keys(hasher, ev.token_ids[: full * bs], parent)
+        keys = hasher.keys(ev.token_ids[: full * bs], parent)
         hashes: list[EngineBlockHash] = list(ev.block_hashes[:full])
         self.index.store(pod, tier, list(zip(hashes, keys)))
         c.applied["BlockStored"] += 1

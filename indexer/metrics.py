@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from .index import KVIndex
-    from .subscriber import Subscriber
+    from kvtier.indexer.index import KVIndex
+    from kvtier.indexer.subscriber import Subscriber
 
 P = "kvtier_indexer_"
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis
+from kvtier.indexer.index import TIER_BIT, TIERS_BY_BIT, Holder, IndexStats, MappingEntry
 
 from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
-
-from .index import TIER_BIT, TIERS_BY_BIT, Holder, IndexStats, MappingEntry
 
 _TCHAR = {Tier.GPU: "G", Tier.CPU: "C"}
 _CHAR_TIER = {"G": Tier.GPU, "C": Tier.CPU}

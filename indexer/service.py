@@ -23,16 +23,15 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvtier.ids import PodId, Tier
+from kvtier.indexer.config import IndexerConfig, PodSpec
+from kvtier.indexer.index import KVIndex, MemoryIndex, restore_entries
+from kvtier.indexer.ingest import EventApplier, HasherCache
+from kvtier.indexer.metrics import IndexerMetrics, InstrumentedIndex
+from kvtier.indexer.snapshot import load_snapshot, write_snapshot
+from kvtier.indexer.subscriber import PodState, Subscriber
 
-from .config import IndexerConfig, PodSpec
-from .index import KVIndex, MemoryIndex, restore_entries
-from .keys import request_keys
-from .ingest import EventApplier, HasherCache
-from .messages import LookupResponse, Match, Source, SourceResponse
-from .metrics import IndexerMetrics, InstrumentedIndex
-from .snapshot import load_snapshot, write_snapshot
-from .subscriber import PodState, Subscriber
+from kvtier.ids import PodId, Tier
+from kvtier.wire.indexer_api import LookupResponse, Match, Source, SourceResponse
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ class InputError(ValueError):
 def make_index(cfg: IndexerConfig) -> KVIndex:
     if cfg.backend == "memory":
         return MemoryIndex(max_keys=cfg.max_keys, max_blocks_per_pod=cfg.max_blocks_per_pod)
-    from .redis_index import RedisIndex
+    from kvtier.indexer.redis_index import RedisIndex
 
     return RedisIndex.from_url(cfg.backend, namespace=cfg.redis_namespace,
                                max_keys=cfg.max_keys)
@@ -155,7 +154,7 @@ class IndexerService:
         if len(token_ids) > self.cfg.max_lookup_tokens:
             raise InputError(f"token_ids has {len(token_ids)} tokens, over the limit of "
                              f"{self.cfg.max_lookup_tokens}", status=413)
-        return request_keys(self.hashers.get(model), token_ids)
+        return self.hashers.get(model).keys(token_ids)
 
     def lookup(self, model: str, token_ids: Sequence[int]) -> LookupResponse:
         """Longest cached prefix per (pod, tier), longest first."""

@@ -41,12 +41,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
+from kvtier.indexer.config import PodSpec
+from kvtier.indexer.ingest import EventApplier, PodCounters
 
 from kvtier.ids import PodId
-
-from .config import PodSpec
-from .events import END_SEQ, EventBatch, MalformedFrame, decode_frames, decode_seq
-from .ingest import EventApplier, PodCounters
+from kvtier.wire.kv_events import END_SEQ, EventBatch, MalformedFrame, decode_frames, decode_seq
 
 log = logging.getLogger(__name__)
 

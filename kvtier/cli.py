@@ -11,15 +11,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import signal
 import sys
+
+from kvtier.runtime import unwind_on_sigterm
 
 # Modules whose subcommands make up `kvtier`.
 SUBCOMMAND_MODULES = (
-    "kvtier.stack_cli",      # kvtier stack up
-    "kvtier.indexer.cli",    # kvtier indexer
-    "kvtier.router.cli",     # kvtier router
-    "kvtier.router.ab_cli",  # kvtier ab, kvtier calibrate, kvtier demo
+    "kvtier.devstack.cli",  # kvtier stack up|place
+    "kvtier.indexer.cli",   # kvtier indexer
+    "kvtier.router.cli",    # kvtier router
+    "kvtier.ab.live.cli",   # kvtier ab, kvtier calibrate, kvtier ab-report, kvtier demo
 )
 
 
@@ -52,15 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         ap.print_help()
         return 2
-    # SIGTERM unwinds like Ctrl-C, so every command's `finally` and context managers run and
-    # the servers a command started (vLLM stacks of `kvtier ab`, say) are stopped, not orphaned.
-    # Daemons that run uvicorn in the main thread install their own handlers over this one.
-    signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM unwinds like Ctrl-C (kvtier.runtime), so every command's `finally` and context
+    # managers run and the servers a command started (vLLM stacks of `kvtier ab`, say) are
+    # stopped, not orphaned. Daemons that run uvicorn in the main thread install their own.
+    unwind_on_sigterm()
     return int(args.func(args) or 0)
-
-
-def _terminate(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -29,11 +29,10 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import EngineClientError, Reply, Router, UpstreamError, tenant_of
 from kvtier.router.requests import BadRequest, Endpoint, parse_inbound, strip_headers
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("kvtier.router")
 

@@ -62,9 +62,8 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    from pydantic import ValidationError
-
     from kvtier.router.app import create_app
+    from pydantic import ValidationError
 
     try:
         cfg = config_from_args(args)

@@ -37,19 +37,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-
-from kvtier.ids import ConversationId, PodId
 from kvtier.router.config import RouterConfig
 from kvtier.router.indexer_client import IndexerClient
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import InstancePool, InstanceState
 from kvtier.router.requests import (
-    Endpoint, Inbound, decode_body, direct_body, prefill_body, tokenize_body,
+    Endpoint,
+    Inbound,
+    decode_body,
+    direct_body,
+    prefill_body,
+    tokenize_body,
 )
 from kvtier.router.sse import DONE, chat_events, completion_events, error_event
 from kvtier.router.store import (
-    ConversationStore, RetainedKV, ReuseDecision, ReuseOutcome, prove_prefix,
+    ConversationStore,
+    RetainedKV,
+    ReuseDecision,
+    ReuseOutcome,
+    prove_prefix,
 )
+
+from kvtier.ids import ConversationId, PodId
 from kvtier.transfer_params import KVTransferParams, NixlParams
 
 log = logging.getLogger("kvtier.router")

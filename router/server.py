@@ -15,7 +15,6 @@ import time
 
 import httpx
 import uvicorn
-
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.stack import LocalStack, StackSpec
+from kvtier.devstack.spec import StackSpec
+from kvtier.devstack.stack import LocalStack
 
 LOCK_PATH = os.environ.get("KVTIER_E2E_LOCK", "/tmp/kvtier-e2e.lock")
 MAX_INSTANCES = 3
@@ -23,7 +24,7 @@ MAX_INSTANCES = 3
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from kvtier.models import build_model
+    from kvtier.devstack.models import build_model
 
     return str(build_model("tiny"))
 

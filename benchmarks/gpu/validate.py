@@ -8,7 +8,7 @@ published anchors in ``PUBLISHED`` (FACTS.md "Anchors"). Outputs: ``validation-h
 Everything here is an explicit assumption, printed with the result:
 
 - **Compute** comes from the calibration (random-weight Qwen3-32B layout, one H200, bf16, no TP),
-  fitted with `kvtier.ab.costmodel.fit_prefill`. Scenario ``tp8`` divides it by 8 (one 8-GPU node per
+  fitted with `kvtier.cost.model.fit_prefill`. Scenario ``tp8`` divides it by 8 (one 8-GPU node per
   instance, ideal scaling, no all-reduce cost) and adds a fixed serving overhead fitted on ONE
   published point (recompute at 2k); every other published point is held out.
 - **Links** are not measured here (the in-machine NIXL path runs at 0.6 GB/s, FACTS.md): the published
@@ -34,11 +34,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.ab.costmodel import CostModel, LinkModel, PrefillSample, ReadSample, fit_link, fit_prefill
 from kvtier.ab.records import RunResult
 from kvtier.ab.simulator import PD_TRANSFER, FleetSpec, simulate
 from kvtier.ab.strategies import STRATEGY_NAMES, builtin
 from kvtier.ab.traces import ConversationSpec, SyntheticTraceConfig, Trace, TurnSpec, synthetic
+from kvtier.cost.model import CostModel, LinkModel, PrefillSample, ReadSample, fit_link, fit_prefill
 from kvtier.ids import ConversationId
 
 HERE = Path(__file__).resolve().parent
@@ -253,7 +253,7 @@ def projections(fits: dict[str, dict[str, Any]], results: dict[str, Any], scen: 
 # ---------------------------------------------------------------------------------------- report
 def markdown(fits: dict[str, dict[str, Any]], host: dict[str, LinkModel], rows: list[dict[str, Any]],
              scen: dict[str, Any], proj: list[dict[str, Any]]) -> str:
-    L: list[str] = ["## Fitted prefill model (kvtier.ab.costmodel.fit_prefill, relative least squares)", "",
+    L: list[str] = ["## Fitted prefill model (kvtier.cost.model.fit_prefill, relative least squares)", "",
                     "| shape | KV B/token | a ms | b us/token | c ns/token/ctx | median abs resid | max abs resid | full/scaled |",
                     "|---|---|---|---|---|---|---|---|"]
     for name, f in fits.items():

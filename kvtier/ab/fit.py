@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.ab.costmodel import CostModel, LinkModel, _nnls_small
 from kvtier.ab.records import RunResult, TurnRecord
+from kvtier.cost.model import CostModel, LinkModel, _nnls_small
 
 READ_PATHS = ("dp_read", "p2p")
 # FACTS.md: NIXL/UCX DRAM->DRAM between two processes here, ~4 GB/s

@@ -1,6 +1,6 @@
 """What one A/B run records, and the metrics derived from it.
 
-The live runner (``kvtier.router.ab_runner``) and the simulator
+The live runner (``kvtier.ab.live.runner``) and the simulator
 (``kvtier.ab.simulator``) both emit these records, so the report and the
 simulator's error are computed by one piece of code.
 

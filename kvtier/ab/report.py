@@ -28,11 +28,10 @@ from pathlib import Path
 
 import msgspec
 
-from kvtier.stack import cpu_info
-
-from .records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult
-from .targets import evaluate as evaluate_targets
-from .targets import markdown as targets_markdown
+from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult
+from kvtier.ab.targets import evaluate as evaluate_targets
+from kvtier.ab.targets import markdown as targets_markdown
+from kvtier.runtime import cpu_info
 
 PLOTS = ("ttft_vs_context.png", "prefill_split.png", "memory_over_time.png",
          "reuse_by_path.png")
@@ -63,7 +62,7 @@ _ISA = ("amx_tile", "amx_bf16", "avx512_fp16", "avx512_bf16", "avx512f", "avx2")
 
 
 def _cpu_info() -> dict:
-    """CPU model and the prefill-relevant ISA flags (``kvtier.stack.cpu_info``)."""
+    """CPU model and the prefill-relevant ISA flags (``kvtier.runtime.cpu_info``)."""
     model, flags = cpu_info()
     return {"cpu_model": model, "cpu_isa": [f for f in _ISA if f in flags]} if model else {}
 
@@ -304,7 +303,7 @@ def plot_all(results: Sequence[RunResult], out_dir: Path) -> list[Path]:
 
 def _median_curve(turns) -> list[tuple[float, float]]:
     groups: dict[int, list] = {}
-    from .records import bucket_of
+    from kvtier.ab.records import bucket_of
 
     for t in turns:
         groups.setdefault(bucket_of(t.prompt_tokens), []).append(t)

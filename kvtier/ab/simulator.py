@@ -26,7 +26,7 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   of the connector, which stores on every instance the turn passed through.
 - **Reuse** is limited to the *proven prefix* (`kvtier.ab.traces.turn_plan`): with
   ``strip_reasoning > 0`` only the previous prompt is reusable, whatever is held.
-  Reusable counts are whole blocks (`kvtier.reuse.reusable_tokens`), on top of the
+  Reusable counts are whole blocks (`kvtier.cost.reuse.reusable_tokens`), on top of the
   prefill's own prefix cache when the strategy enables it and the fleet gives it room.
 - **Path choice**: fixed strategies read D→P when at least ``kv_recompute_threshold``
   tokens would be pulled (vLLM's gate), else from a peer host when the delta is at least
@@ -34,7 +34,7 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   request. (The simulated world *is* the cost model, so an online refit would converge to
   it at once; the adaptive strategy uses it directly.)
 - **Adaptive device TTL**: ``adaptive`` strategies re-choose the decode TTL online from
-  the tool waits observed so far (`kvtier.ab.retention.choose_device_ttl`, last 512 waits,
+  the tool waits observed so far (`kvtier.cost.retention.choose_device_ttl`, last 512 waits,
   every 8 new ones; TTL 0, no retention, when no TTL pays for its memory); ``online_ttl=False``
   keeps it fixed, as a live vLLM stack must.
 
@@ -59,13 +59,13 @@ from typing import Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier.ab.costmodel import CostModel
-from kvtier.ab.retention import WaitSample, choose_device_ttl
 from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnRecord, bucket_of
 from kvtier.ab.strategies import StrategySpec, builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
+from kvtier.cost.model import CostModel
+from kvtier.cost.retention import WaitSample, choose_device_ttl
+from kvtier.cost.reuse import align_down
 from kvtier.ids import ConversationId
-from kvtier.reuse import align_down
 
 PD_TRANSFER = "pd_transfer"
 # tiered-adaptive online: re-choose the device TTL from the last ADAPTIVE_WINDOW waits once
@@ -225,7 +225,7 @@ class _Policy:
     threshold: int
     delta: int
     adaptive: bool
-    horizon_s: float = 60.0  # adaptive: kvtier.ab.retention's holding price
+    horizon_s: float = 60.0  # adaptive: kvtier.cost.retention's holding price
     online_ttl: bool = False  # adaptive: re-choose the device TTL as waits are observed
 
     @classmethod

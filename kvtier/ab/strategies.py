@@ -16,7 +16,7 @@
                    (``kv_recompute_threshold`` / ``min_cached_token_delta``).
 ``tiered-adaptive`` as tiered, with both thresholds taken from the cost model
                    (``CostModel.recommend()``) and the device TTL from the cost model and
-                   the tool waits seen so far (``kvtier.ab.retention``: hold on device
+                   the tool waits seen so far (``kvtier.cost.retention``: hold on device
                    only while the device read saves more than the memory costs), and the
                    path picked per request (``CostModel.best_path``) in the simulator,
                    which also re-chooses the TTL online as waits arrive. Live, vLLM fixes
@@ -26,7 +26,7 @@
 =================  ===========================================================================
 
 A ``StrategySpec`` is pure data; the live runner turns it into a
-``StackSpec`` (``stack_spec``), a vLLM ``--kv-transfer-config``
+``StackSpec`` (``kvtier.ab.live.runner.stack_spec_for``), a vLLM ``--kv-transfer-config``
 (``kv_transfer_config``) and router settings (``router_settings``); the
 simulator reads the same fields.
 
@@ -47,7 +47,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvtier.stack import StackSpec, load_config_file
+from kvtier.configs import load_config_file
 
 StrategyName = Literal["recompute", "device-ttl", "host-p2p", "tiered", "tiered-adaptive"]
 STRATEGY_NAMES: tuple[str, ...] = ("recompute", "device-ttl", "host-p2p", "tiered",
@@ -81,7 +81,7 @@ class StrategySpec(BaseModel):
     min_cached_token_delta: int = Field(0, ge=0)
     adaptive: bool = False           # thresholds and device TTL from the cost model
     # adaptive: holding a turn's blocks this long costs as much as recomputing them
-    # (kvtier.ab.retention); sets how long the device TTL may grow.
+    # (kvtier.cost.retention); sets how long the device TTL may grow.
     retention_horizon_s: float = Field(60.0, gt=0)
     # Host tier size per instance (cpu_bytes_to_use); None keeps the config file's.
     host_bytes: int | None = Field(None, gt=0)
@@ -122,7 +122,7 @@ class StrategySpec(BaseModel):
 
     def with_cost_model(self, cost, waits: Sequence = ()) -> "StrategySpec":
         """For adaptive strategies: thresholds from ``cost.recommend()`` (a CostModel) and,
-        given observed tool waits (``kvtier.ab.retention.WaitSample``), the device TTL from
+        given observed tool waits (``kvtier.cost.retention.WaitSample``), the device TTL from
         ``choose_device_ttl`` -- or no device retention at all when no TTL pays for the
         memory it holds (then the decode node keeps nothing and the router hands the next
         prefill no D->P params; the host copy and recompute remain)."""
@@ -142,7 +142,7 @@ class StrategySpec(BaseModel):
 
     def adaptive_ttl(self, cost, waits: Sequence):
         """The cost model's device TTL for these waits (a ``TtlChoice``)."""
-        from kvtier.ab.retention import choose_device_ttl
+        from kvtier.cost.retention import choose_device_ttl
 
         return choose_device_ttl(cost, waits, host_copy=self.host_tier and self.peer_fetch,
                                  horizon_s=self.retention_horizon_s)
@@ -181,17 +181,6 @@ class StrategySpec(BaseModel):
             return children[0]
         return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"connectors": children}}
-
-    def stack_spec(self, model: str, **kw) -> StackSpec:
-        extra = tuple(kw.pop("extra_args", ()))
-        if not self.prefix_caching:
-            # StackSpec always passes --enable-prefix-caching (KV events need it);
-            # argparse keeps the last of the pair.
-            extra = (*extra, "--no-enable-prefix-caching")
-        # Usage then reports cached_tokens per request: the prefill's reused tokens.
-        extra = (*extra, "--enable-prompt-tokens-details")
-        return StackSpec(model=model, prefill=self.prefill, decode=self.decode,
-                         kv_transfer_config=self.kv_transfer_config(), extra_args=extra, **kw)
 
     def router_settings(self) -> dict:
         """RouterConfig fields this strategy sets (instances/indexer URL come from the run)."""

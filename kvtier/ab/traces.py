@@ -67,7 +67,7 @@ from kvtier.ids import ConversationId
 TRACE_KIND = "kvtier-trace"
 RECORDED_KIND = "kvtier-recorded-trace"
 TRACE_VERSION = 1
-DEFAULT_VOCAB_SIZE = 4096  # the `tiny` and smallest presets in kvtier.models
+DEFAULT_VOCAB_SIZE = 4096  # the `tiny` and smallest presets in kvtier.devstack.models
 # Ids below this are left alone: tokenizers keep their special tokens there.
 FIRST_PLAIN_TOKEN_ID = 16
 

@@ -11,11 +11,11 @@ import json
 
 import pytest
 
+from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy, stack_spec_for
 from kvtier.ab.records import RunResult
 from kvtier.ab.report import PLOTS, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnSpec
-from kvtier.router.ab_runner import MEASUREMENT, RunOptions, run_strategy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -33,7 +33,7 @@ def short_trace() -> Trace:
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
 def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
     spec = builtin(name)
-    stack = stack_pool.get(spec.stack_spec(tiny_model))
+    stack = stack_pool.get(stack_spec_for(spec, tiny_model))
     opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
                       progress=False, sample_interval_s=0.2)
     res = run_strategy(spec, short_trace(), opts, stack=stack)
@@ -66,7 +66,7 @@ def test_adaptive_short_ttl_hands_long_waits_to_the_host_copy(stack_pool, tiny_m
     and deploys like host-p2p). Waits of 3 s outlive it, so every follow-up is served from a
     host tier, and the device holds each turn for ~1 s only."""
     spec = builtin("tiered-adaptive").with_ttl(1.0)
-    stack = stack_pool.get(spec.stack_spec(tiny_model))
+    stack = stack_pool.get(stack_spec_for(spec, tiny_model))
     convs = [ConversationSpec(f"w{k}", 0.3 * k, 200 + k,
                               [TurnSpec(200, 16, 0.0), TurnSpec(96, 16, 3.0),
                                TurnSpec(64, 16, 3.0)]) for k in range(2)]

@@ -19,13 +19,13 @@ in both cases. Expected costs come from ``configs/costaware-nixl-kvtier.json``
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import pytest
 
-from kvtier.path_choice import CostModel, choose_path
-from kvtier.stack import CONFIG_DIR, StackSpec, load_config_file
+from kvtier.configs import CONFIG_DIR, load_config_file
+from kvtier.cost.decide import CostModel, choose_path
+from kvtier.devstack.spec import StackSpec
 from kvtier.transfer_params import KVTransferParams
 from tests.e2e.pd import reset_prefix_cache
 from tests.e2e.test_multi_connector import BS, _by_source, _pd, _ref, _turn1

@@ -23,7 +23,8 @@ import uuid
 import httpx
 import pytest
 
-from kvtier.stack import StackSpec, load_config_file
+from kvtier.configs import load_config_file
+from kvtier.devstack.spec import StackSpec
 from tests.e2e.pd import complete, metric, reset_prefix_cache
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvtier.stack import StackSpec, load_config_file
+from kvtier.configs import load_config_file
+from kvtier.devstack.spec import StackSpec
 from kvtier.transfer_params import KVTransferParams
 from tests.e2e.pd import complete, metric, pd_complete, reset_prefix_cache
 

@@ -14,10 +14,12 @@ import time
 import httpx
 import pytest
 import zmq
-
 from kvtier.indexer.config import IndexerConfig, PodSpec
 from kvtier.indexer.service import IndexerService, wait_until
-from kvtier.stack import StackSpec, free_ports, load_config_file
+
+from kvtier.configs import load_config_file
+from kvtier.devstack.spec import StackSpec
+from kvtier.runtime import free_ports
 from tests.e2e.pd import complete, metric, reset_prefix_cache
 
 pytestmark = pytest.mark.e2e

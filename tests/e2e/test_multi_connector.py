@@ -22,7 +22,8 @@ import uuid
 import httpx
 import pytest
 
-from kvtier.stack import StackSpec, load_config_file
+from kvtier.configs import load_config_file
+from kvtier.devstack.spec import StackSpec
 from kvtier.transfer_params import KVTransferParams, RemoteKVSource
 from tests.e2e.pd import complete, metric, reset_prefix_cache
 

@@ -20,10 +20,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
-from kvtier.stack import StackSpec, load_config_file
+
+from kvtier.configs import load_config_file
+from kvtier.devstack.spec import StackSpec
 from tests.e2e.pd import metric, pd_complete, reset_prefix_cache
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

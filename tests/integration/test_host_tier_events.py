@@ -8,10 +8,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier.host_tier import BlockMeta, HostTier
 from kvtier.ids import EngineBlockHash, RequestKey
-from kvtier.stack import free_ports
-from kvtier.tier_events import END_SEQ, TierEventPublisher
+from kvtier.runtime import free_ports
+from kvtier.tier.events import END_SEQ, TierEventPublisher
+from kvtier.tier.manager import BlockMeta, HostTier
 
 pytestmark = pytest.mark.integration
 

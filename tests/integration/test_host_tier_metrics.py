@@ -6,10 +6,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.host_tier import HostTier
 from kvtier.ids import RequestKey
-from kvtier.stack import free_ports
-from kvtier.tier_metrics import TierCollector, TierMetricsServer
+from kvtier.runtime import free_ports
+from kvtier.tier.manager import HostTier
+from kvtier.tier.metrics import TierCollector, TierMetricsServer
 
 pytestmark = pytest.mark.integration
 SLOT = 1024

@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
 from kvtier.indexer.config import IndexerConfig, PodSpec
 from kvtier.indexer.http import build_app
 from kvtier.indexer.service import IndexerService, wait_until
-from kvtier.stack import free_ports
+
+from kvtier.runtime import free_ports
 
 from .test_indexer_subscriber import BS, Prompt, Publisher, ready
 

@@ -10,10 +10,10 @@ import time
 import uuid
 
 import pytest
+from kvtier.indexer.index import KVIndex, MemoryIndex, restore_entries
 
 from kvtier.hashing import RequestKeyHasher
-from kvtier.ids import EngineBlockHash, ModelName, PodId, RequestKey, Tier
-from kvtier.indexer.index import KVIndex, MemoryIndex, restore_entries
+from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
 
 pytestmark = pytest.mark.integration
 

@@ -13,12 +13,12 @@ from collections import deque
 
 import pytest
 import zmq
+from kvtier.indexer.config import IndexerConfig, PodSpec
+from kvtier.indexer.service import IndexerService, wait_until
 
 from kvtier.hashing import EngineHasher
 from kvtier.ids import Tier
-from kvtier.indexer import events as ev
-from kvtier.indexer.config import IndexerConfig, PodSpec
-from kvtier.indexer.service import IndexerService, wait_until
+from kvtier.wire import kv_events as ev
 
 pytestmark = pytest.mark.integration
 BS = 4
@@ -237,7 +237,7 @@ def test_publisher_restart_clears_the_pod():
 def test_pod_that_never_answers_does_not_hold_up_others():
     pub = Publisher()
     a = Prompt(0, 2)
-    from kvtier.stack import free_ports
+    from kvtier.runtime import free_ports
 
     p1, p2 = free_ports(2)
     dead = PodSpec(name="dead", events=f"tcp://127.0.0.1:{p1}", replay=f"tcp://127.0.0.1:{p2}")
@@ -304,13 +304,13 @@ class _TierPublisher:
     medium = "CPU"
 
     def __init__(self, p1, p2, topic):
-        from kvtier.tier_events import TierEventPublisher
+        from kvtier.tier.events import TierEventPublisher
 
         self.pub = TierEventPublisher(f"tcp://127.0.0.1:{p1}", f"tcp://127.0.0.1:{p2}", topic)
 
     def store(self, prompt, lo):
-        from kvtier.host_tier import BlockMeta, TierEvent, TierEventKind
         from kvtier.ids import EngineBlockHash, RequestKey
+        from kvtier.tier.manager import BlockMeta, TierEvent, TierEventKind
 
         meta = BlockMeta(token_ids=tuple(prompt.toks[lo * BS:(lo + 1) * BS]),
                          engine_hash=EngineBlockHash(prompt.eh[lo]),
@@ -326,7 +326,7 @@ class _TierPublisher:
 def test_replay_rebuilds_what_was_published_before_subscribing(impl):
     # The same contract for every publisher the indexer subscribes to: batches sent before
     # the indexer started come back by replay, answered (no replay timeout), in order.
-    from kvtier.stack import free_ports
+    from kvtier.runtime import free_ports
 
     p1, p2 = free_ports(2)
     pub = impl(p1, p2, "kv@v")

@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.host_pool import HostPool
-from kvtier.host_tier import HostTier
 from kvtier.ids import RequestKey
-from kvtier.stack import free_ports
+from kvtier.runtime import free_ports
+from kvtier.tier.manager import HostTier
+from kvtier.tier.pool import HostPool
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +20,7 @@ KEYS = [RequestKey(1000 + i) for i in range(8)]
 
 
 def ident(block_size=32):
-    from kvtier.peer import Identity
+    from kvtier.tier.peer import Identity
 
     return Identity("tiny", block_size, 0, "test-layout", SLOT)
 
@@ -30,8 +30,8 @@ def _pattern(i: int) -> np.ndarray:
 
 
 def _source(port: int, conn) -> None:
-    from kvtier.nixl_transport import NixlPool
-    from kvtier.peer import PeerServer
+    from kvtier.tier.nixl import NixlPool
+    from kvtier.tier.peer import PeerServer
 
     pool = HostPool(16, SLOT)
     tier = HostTier(16, SLOT)
@@ -73,8 +73,8 @@ def source():
 
 
 def _consumer(name="consumer", block_size=32):
-    from kvtier.nixl_transport import NixlPool
-    from kvtier.peer import PeerClient
+    from kvtier.tier.nixl import NixlPool
+    from kvtier.tier.peer import PeerClient
 
     pool = HostPool(16, SLOT)
     tier = HostTier(16, SLOT)

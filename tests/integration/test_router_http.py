@@ -10,7 +10,6 @@ import socket
 
 import httpx
 import pytest
-
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
 

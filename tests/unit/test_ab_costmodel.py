@@ -1,4 +1,4 @@
-"""Cost model: KV size, fits, TTFT per path, thresholds (kvtier.ab.costmodel)."""
+"""Cost model: KV size, fits, TTFT per path, thresholds (kvtier.cost.model)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kvtier.ab.costmodel import (
+from kvtier.cost.model import (
     NEVER,
     CostModel,
     LinkModel,

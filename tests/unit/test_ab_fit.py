@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.ab.costmodel import CostModel, LinkModel
 from kvtier.ab.fit import fit_from_records, service_times
 from kvtier.ab.records import RunResult, TurnRecord
 from kvtier.ab.simulator import FleetSpec, simulate
 from kvtier.ab.strategies import builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnSpec
+from kvtier.cost.model import CostModel, LinkModel
 from kvtier.ids import ConversationId
 
 BS = 32

@@ -1,4 +1,4 @@
-"""Adaptive device TTL (kvtier.ab.retention): the choice, its oracle, and where it is used."""
+"""Adaptive device TTL (kvtier.cost.retention): the choice, its oracle, and where it is used."""
 
 from __future__ import annotations
 
@@ -8,13 +8,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.ab.costmodel import CostModel, LinkModel
 from kvtier.ab.records import TurnRecord
-from kvtier.ab.retention import (MAX_TTL_S, MIN_TTL_S, WaitSample, choose_device_ttl,
-                                 fallback_s, observed_waits, recompute_s)
 from kvtier.ab.simulator import FleetSpec, simulate
 from kvtier.ab.strategies import builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnSpec
+from kvtier.cost.model import CostModel, LinkModel
+from kvtier.cost.retention import (
+    MAX_TTL_S,
+    MIN_TTL_S,
+    WaitSample,
+    choose_device_ttl,
+    fallback_s,
+    observed_waits,
+    recompute_s,
+)
 from kvtier.ids import ConversationId
 
 BS = 32

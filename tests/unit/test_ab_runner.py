@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.router.ab_runner import DeviceLedger, Leg, _record, _split_transfer
+from kvtier.ab.live.runner import DeviceLedger, Leg, _record, _split_transfer
 
 
 def test_ledger_pins_until_read_or_ttl():

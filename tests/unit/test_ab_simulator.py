@@ -5,12 +5,20 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvtier.ab.costmodel import CostModel, LinkModel
 from kvtier.ab.records import RunResult
 from kvtier.ab.simulator import FleetSpec, compare, simulate, simulate_all
 from kvtier.ab.strategies import STRATEGY_NAMES, builtin
-from kvtier.ab.traces import (ConversationSpec, LengthDist, SyntheticTraceConfig, Trace, TurnSpec, WaitDist,
-                              synthetic, turn_plan)
+from kvtier.ab.traces import (
+    ConversationSpec,
+    LengthDist,
+    SyntheticTraceConfig,
+    Trace,
+    TurnSpec,
+    WaitDist,
+    synthetic,
+    turn_plan,
+)
+from kvtier.cost.model import CostModel, LinkModel
 from kvtier.ids import ConversationId
 
 BS = 32

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from kvtier.router.config import RouterConfig
 from pydantic import ValidationError
 
-from kvtier.ab.costmodel import CostModel, LinkModel
+from kvtier.ab.live.runner import stack_spec_for
 from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, builtin, parse_list
-from kvtier.router.config import RouterConfig
+from kvtier.cost.model import CostModel, LinkModel
 
 
 def children(cfg: dict) -> dict[str, dict]:
@@ -19,7 +20,7 @@ def children(cfg: dict) -> dict[str, dict]:
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
 def test_every_strategy_builds_a_stack_and_router_config(name):
     s = builtin(name)
-    spec = s.stack_spec("/models/tiny")
+    spec = stack_spec_for(s, "/models/tiny")
     assert spec.prefill + spec.decode <= 3
     assert "--no-enable-prefix-caching" in spec.extra_args
     assert "--enable-prompt-tokens-details" in spec.extra_args
@@ -86,4 +87,4 @@ def test_parse_list_and_validation():
         StrategySpec(name="device-ttl", kv_configs=("nixl-bidirectional",), device_retention=True)
     with pytest.raises(ValidationError):
         builtin("recompute").topology(2, 2)
-    assert builtin("recompute").topology(2, 1).stack_spec("m").prefill == 2
+    assert stack_spec_for(builtin("recompute").topology(2, 1), "m").prefill == 2

@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from kvtier.router.ab_cli import prior_cost_model
-from kvtier.router.ab_sweep import run_sweep
-
+from kvtier.ab.live.cli import prior_cost_model
+from kvtier.ab.live.sweep import run_sweep
 from kvtier.ab.report import write_report
 from kvtier.ab.simulator import FleetSpec, simulate
 from kvtier.ab.strategies import parse_list

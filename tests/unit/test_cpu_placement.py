@@ -1,4 +1,4 @@
-"""kvtier.cpu_placement against a real process that looks like a misplaced vLLM worker:
+"""kvtier.devstack.placement against a real process that looks like a misplaced vLLM worker:
 named VLLM::Worker, its main thread on the wrong core, one thread spinning, one sleeping."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvtier.cpu_placement import WORKER_COMM, place
+from kvtier.devstack.placement import WORKER_COMM, place
 
 CHILD = textwrap.dedent("""
     import os, sys, threading, time

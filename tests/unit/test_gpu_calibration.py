@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.ab.costmodel import CostModel, LinkModel
+from kvtier.cost.model import CostModel, LinkModel
 
 GPU_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
 

@@ -1,7 +1,8 @@
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.hashing import EngineHasher, RequestKeyHasher, to_external, token_digest
 from kvtier.ids import ModelName

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.host_tier import BlockMeta, HostTier, Lookup, TierEventKind
 from kvtier.ids import RequestKey
-from kvtier.tier_faults import FaultyTier
+from kvtier.tier.faults import FaultyTier
+from kvtier.tier.manager import BlockMeta, HostTier, Lookup, TierEventKind
 
 SLOT = 1024
 

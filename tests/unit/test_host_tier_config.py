@@ -7,8 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from kvtier.stack import CONFIG_DIR, InstanceSpec
-from kvtier.tier_config import HostTierConfig
+from kvtier.configs import CONFIG_DIR
+from kvtier.devstack.spec import InstanceSpec
+from kvtier.tier.config import HostTierConfig
 
 ENV = {"KVTIER_TIER_EVENTS_PORT": "7001", "KVTIER_TIER_REPLAY_PORT": "7002",
        "KVTIER_P2P_PORT": "7003", "KVTIER_POD_NAME": "prefill-1",

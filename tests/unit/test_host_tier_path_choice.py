@@ -1,4 +1,4 @@
-"""The cost-aware path decision (kvtier.path_choice), pure arithmetic."""
+"""The cost-aware path decision (kvtier.cost.decide), pure arithmetic."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.ab.costmodel import CostModel as FittedCost, LinkModel
-from kvtier.path_choice import CostModel, PathCost, choose_path
+from kvtier.cost.decide import CostModel, PathCost, choose_path
+from kvtier.cost.model import CostModel as FittedCost
+from kvtier.cost.model import LinkModel
 
 NIXL = PathCost(setup_s=0.05, bandwidth_bytes_per_s=4e9)
 HOST = PathCost(setup_s=0.001, bandwidth_bytes_per_s=7e9)

@@ -6,7 +6,6 @@ import uuid
 
 import pytest
 import torch
-
 from kvtier.connectors.tier_worker import LoadOp, StoreOp, TierWorker, runs
 
 NUM_BLOCKS, LAYERS = 16, 3

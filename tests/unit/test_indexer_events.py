@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from kvtier.indexer.index import MemoryIndex
+from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
 
 from kvtier.hashing import EngineHasher, RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
-from kvtier.indexer import events as ev
-from kvtier.indexer.index import MemoryIndex
-from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
-from kvtier.indexer.keys import request_keys
+from kvtier.wire import kv_events as ev
 
 
 def test_decodes_batches_encoded_by_vllm_itself():
@@ -77,12 +76,12 @@ def test_fast_request_keys_equal_the_reference_hasher(bs, seed, n):
     h = RequestKeyHasher(ModelName("m"), bs, seed=seed)
     toks = [random.randrange(2**32) for _ in range(n)]
     keys = h.keys(toks)
-    assert request_keys(h, toks) == keys
-    assert request_keys(h, np.asarray(toks, dtype=np.uint32)) == keys
+    assert h.keys(toks) == keys
+    assert h.keys(np.asarray(toks, dtype=np.uint32)) == keys
     if len(keys) > 2:
-        assert request_keys(h, toks[2 * bs:], keys[1]) == keys[2:] == h.extend(keys[1], toks[2 * bs:])
+        assert h.keys(toks[2 * bs:], keys[1]) == keys[2:] == h.extend(keys[1], toks[2 * bs:])
     with pytest.raises((OverflowError, TypeError)):
-        request_keys(h, [-1] * bs)
+        h.keys([-1] * bs)
 
 
 def _apply(events, applier, pod="p", counters=None, seq=0):

@@ -1,7 +1,8 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvtier.reuse import align_down, common_prefix_len, reusable_tokens
+from kvtier.cost.reuse import align_down, common_prefix_len, reusable_tokens
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import pytest
-
 from kvtier.router.config import RouterConfig
 from kvtier.router.requests import (
-    BadRequest, Endpoint, decode_body, parse_inbound, prefill_body, strip_headers,
+    BadRequest,
+    Endpoint,
+    decode_body,
+    parse_inbound,
+    prefill_body,
+    strip_headers,
 )
+
 from kvtier.transfer_params import INBOUND_STRIP_HEADERS, KVTransferParams
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -100,7 +105,8 @@ def test_shipped_router_config_loads_and_cli_flags_override(tmp_path):
 
     from kvtier.router.cli import config_from_args, register
     from kvtier.router.config import load_config
-    from kvtier.stack import CONFIG_DIR
+
+    from kvtier.configs import CONFIG_DIR
 
     cfg = load_config(CONFIG_DIR / "router.yaml")
     assert [i.name for i in cfg.prefill_instances] == ["prefill-0"]

@@ -7,8 +7,10 @@ import textwrap
 
 import pytest
 
-import kvtier.stack as stack_mod
-from kvtier.stack import LocalStack, StackSpec, StackStartError
+import kvtier.devstack.spec as spec_mod
+import kvtier.runtime as runtime
+from kvtier.devstack.spec import StackSpec
+from kvtier.devstack.stack import LocalStack, StackStartError
 
 # A stand-in for the vLLM server: fails with "Address already in use" while a
 # marker file is absent (and creates it), then serves /health on --port. In mode
@@ -39,7 +41,7 @@ FAKE_SERVER = textwrap.dedent("""
 
 @pytest.fixture
 def fake_server(monkeypatch, tmp_path):
-    monkeypatch.setattr(stack_mod, "VLLM_SERVER_ARGV", [sys.executable, "-c", FAKE_SERVER])
+    monkeypatch.setattr(spec_mod, "VLLM_SERVER_ARGV", [sys.executable, "-c", FAKE_SERVER])
     monkeypatch.setenv("KVTIER_DEVICE", "cpu")
     monkeypatch.setenv("FAKE_MARKER", str(tmp_path / "marker"))
     return tmp_path
@@ -90,9 +92,10 @@ def test_a_fatal_log_line_fails_the_start_without_waiting(fake_server, monkeypat
 # A program that starts a stack and waits, as `kvtier ab` or a user's script does.
 OWNER = textwrap.dedent("""
     import sys, time, pathlib
-    import kvtier.stack as stack_mod
-    from kvtier.stack import LocalStack, StackSpec
-    stack_mod.VLLM_SERVER_ARGV = [sys.executable, "-c", sys.argv[1]]
+    import kvtier.devstack.spec as spec_mod
+    from kvtier.devstack.spec import StackSpec
+    from kvtier.devstack.stack import LocalStack
+    spec_mod.VLLM_SERVER_ARGV = [sys.executable, "-c", sys.argv[1]]
     out = pathlib.Path(sys.argv[2])
     stack = LocalStack(StackSpec(model="/m", prefill=1, decode=0), out / "logs",
                        startup_timeout_s=30)
@@ -123,20 +126,35 @@ def test_sigterm_to_the_owner_stops_its_servers(fake_server):
         os.kill(server, 0)  # gone, not left running
 
 
-def test_a_command_that_turns_sigterm_into_an_interrupt_keeps_it(fake_server):
-    # `kvtier ab` and `kvtier stack up` want Ctrl-C semantics (partial reports); a stack
-    # started under them must not replace that with its own SystemExit.
+def test_sigterm_policy_unwinds_as_ctrl_c_and_exits_143():
+    # One policy for every kvtier program: a command that stops in order on Ctrl-C
+    # (`kvtier ab` reports the strategies it finished) does the same on `kill`, and a
+    # program that catches nothing exits 128 + SIGTERM.
     import signal
 
     before = signal.getsignal(signal.SIGTERM)
     try:
-        stack_mod.sigterm_as_interrupt()
-        mine = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        runtime.unwind_on_sigterm()
+        with pytest.raises(KeyboardInterrupt) as caught:
+            signal.raise_signal(signal.SIGTERM)
+        assert isinstance(caught.value, SystemExit) and caught.value.code == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_program_with_its_own_sigterm_handler_keeps_it(fake_server):
+    import signal
+
+    def mine(signum, frame):
+        raise RuntimeError("the program's own handler")
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, mine)
         (fake_server / "marker").touch()
         with LocalStack(StackSpec(model="/m", prefill=1, decode=0), fake_server / "logs",
                         startup_timeout_s=30):
             assert signal.getsignal(signal.SIGTERM) is mine
-        with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, before)

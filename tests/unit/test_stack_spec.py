@@ -2,9 +2,10 @@ import json
 
 import pytest
 
-import kvtier.stack as stack_mod
+import kvtier.devstack.platform as stack_mod
+from kvtier.configs import CONFIG_DIR, load_config_file
+from kvtier.devstack.spec import PORTS_PER_INSTANCE, StackSpec
 from kvtier.ids import Role
-from kvtier.stack import CONFIG_DIR, PORTS_PER_INSTANCE, StackSpec, load_config_file
 
 
 def test_instances_get_distinct_ports_roles_and_cores():
@@ -81,7 +82,7 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable(tmp_path, mon
     # picked there can be taken between the probe and vLLM's bind.
     import socket
 
-    import kvtier.stack as stack
+    import kvtier.runtime as stack
 
     rng = tmp_path / "ip_local_port_range"
     rng.write_text("40000\t60999\n")
@@ -96,7 +97,7 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_bindable(tmp_path, mon
 def test_free_ports_skip_a_taken_port_and_fall_back_without_room(tmp_path, monkeypatch):
     import socket
 
-    import kvtier.stack as stack
+    import kvtier.runtime as stack
 
     rng = tmp_path / "ip_local_port_range"
     rng.write_text(f"{stack._LOW_PORT_FLOOR + 2} 60999\n")  # room for two low ports only

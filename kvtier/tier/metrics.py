@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.accounting import PATHS
+from kvtier.tier.accounting import PATHS
 
 PREFIX = "kvtier_tier_"
 

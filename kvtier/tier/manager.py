@@ -2,7 +2,7 @@
 
 Roles (after vLLM's offloading Spec/Manager/Worker split):
 
-- ``HostPool`` (kvtier.host_pool): the bytes. Knows nothing about keys.
+- ``HostPool`` (kvtier.tier.pool): the bytes. Knows nothing about keys.
 - ``HostTier`` (this module): the Manager. Bookkeeping only, no I/O: maps
   ``RequestKey`` -> slot, keeps LRU order (cachetools), byte capacity,
   refcount pins, and hands out slot numbers in two-phase jobs. Whoever moves
@@ -41,8 +41,8 @@ from typing import Protocol
 
 from cachetools import LRUCache
 
-from kvtier.accounting import TierStats
 from kvtier.ids import EngineBlockHash, RequestKey
+from kvtier.tier.accounting import TierStats
 
 
 class Lookup(str, Enum):

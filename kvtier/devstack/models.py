@@ -13,7 +13,7 @@ Two presets:
   real time on a 2-core CPU, so reuse has something to save.
 
 Weights are stored in float16; the stack serves them in the dtype that suits the
-CPU (``kvtier.stack.cpu_dtype``: float16 on AMX machines, where bfloat16 dies with
+CPU (``kvtier.devstack.stack.cpu_dtype``: float16 on AMX machines, where bfloat16 dies with
 SIGILL, bfloat16 where the CPU has AVX-512 BF16, else float32), vLLM casting at load.
 """
 
@@ -152,7 +152,7 @@ def build_model(preset: str | ModelPreset = "tiny", dest: Path | None = None, fo
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kvtier.models", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvtier.devstack.models", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--dest", type=Path, default=None)
     ap.add_argument("--force", action="store_true")

@@ -56,15 +56,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import ConversationSpec, Trace, token_ids
+from kvtier.devstack.spec import StackSpec
+from kvtier.devstack.stack import LocalStack
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
-from kvtier.stack import LocalStack, StackSpec
 
 log = logging.getLogger("kvtier.ab")
 
@@ -280,13 +282,26 @@ class RunOptions:
     sequential: bool = False
 
 
+def stack_spec_for(strategy: StrategySpec, model: str, **kw: Any) -> StackSpec:
+    """The local stack that deploys ``strategy``: its topology and ``--kv-transfer-config``."""
+    extra = tuple(kw.pop("extra_args", ()))
+    if not strategy.prefix_caching:
+        # StackSpec always passes --enable-prefix-caching (KV events need it);
+        # argparse keeps the last of the pair.
+        extra = (*extra, "--no-enable-prefix-caching")
+    # Usage then reports cached_tokens per request: the prefill's reused tokens.
+    extra = (*extra, "--enable-prompt-tokens-details")
+    return StackSpec(model=model, prefill=strategy.prefill, decode=strategy.decode,
+                     kv_transfer_config=strategy.kv_transfer_config(), extra_args=extra, **kw)
+
+
 def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
                  stack_provider: StackProvider = locked_stack,
                  stack: LocalStack | None = None) -> RunResult:
     """Run ``trace`` through ``spec``'s stack. ``stack``: an already running one (tests)."""
     spec = spec.scaled(opts.time_scale)
-    sspec = spec.stack_spec(opts.model, block_size=opts.block_size,
-                            max_model_len=opts.max_model_len)
+    sspec = stack_spec_for(spec, opts.model, block_size=opts.block_size,
+                           max_model_len=opts.max_model_len)
     if stack is not None:
         return _run_on(spec, trace, opts, stack)
     with stack_provider(sspec, opts.log_dir / spec.name) as st:

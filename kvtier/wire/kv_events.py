@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from kvtier.ids import EngineBlockHash
-from kvtier.tier_events import END_SEQ  # noqa: F401 - re-exported: the replay end marker
+from kvtier.tier.events import END_SEQ  # noqa: F401 - re-exported: the replay end marker
 
 _U64 = (1 << 64) - 1
 

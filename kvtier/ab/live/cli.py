@@ -25,15 +25,14 @@ import sys
 import time
 from pathlib import Path
 
-from kvtier.router.ab_sweep import run_sweep
-
-from kvtier.ab.costmodel import CostModel, LinkModel, kv_bytes_per_token
 from kvtier.ab.fit import fit_from_records
+from kvtier.ab.live.sweep import run_sweep
 from kvtier.ab.records import RunResult, merge_repeats
 from kvtier.ab.report import environment_meta, summary_table, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
-from kvtier.stack import kv_dtype_bytes, sigterm_as_interrupt
+from kvtier.cost.model import CostModel, LinkModel, kv_bytes_per_token
+from kvtier.devstack.platform import kv_dtype_bytes
 
 log = logging.getLogger("kvtier.ab")
 
@@ -46,7 +45,7 @@ CALIBRATE_WITH = "recompute,device-ttl,host-p2p"
 # ----------------------------------------------------------------- shared pieces -----
 def resolve_model(name: str) -> Path:
     if name in ("tiny", "bench"):
-        from kvtier.models import build_model
+        from kvtier.devstack.models import build_model
 
         return Path(build_model(name))
     p = Path(name)
@@ -157,13 +156,12 @@ def run_ab(args: argparse.Namespace) -> int:
         print(f"\nreport: {md}")
         return 0
 
-    from kvtier.router.ab_runner import MEASUREMENT, RunOptions, run_strategy
+    from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy
 
     opts = RunOptions(model=str(model_dir), time_scale=args.time_scale,
                       block_size=args.block_size, max_model_len=max_ctx,
                       kv_bytes_per_token=kvbpt,
                       log_dir=out / "logs", progress=not args.no_progress)
-    sigterm_as_interrupt()  # `kill` stops the sweep as Ctrl-C does: finished strategies report
     meta["environment"] = environment_meta()  # the commit measured, not the one at report time
     t0 = time.time()
     sw = run_sweep(specs, trace, lambda s, tr: run_strategy(s, tr, opts), cost=cost,
@@ -306,7 +304,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         results = [_calibrate_against(args.stack, trace, Path(model_dir).name)]
         source = f"router at {args.stack} (TTFT = latency of 1-token turns)"
     else:
-        from kvtier.router.ab_runner import RunOptions, run_strategy
+        from kvtier.ab.live.runner import RunOptions, run_strategy
 
         opts = RunOptions(model=str(model_dir), block_size=args.block_size, max_model_len=max_ctx,
                           kv_bytes_per_token=kvbpt, log_dir=Path(args.log_dir),

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from kvtier.host_tier import TierEvent, TierEventKind
 from kvtier.ids import Tier
+from kvtier.tier.manager import TierEvent, TierEventKind
 
 log = logging.getLogger(__name__)
 END_SEQ = (1 << 64) - 1  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)

@@ -8,9 +8,11 @@ import json
 import time
 from pathlib import Path
 
-from kvtier.cpu_placement import SPINNER_NICE
-from kvtier.models import PRESETS, build_model
-from kvtier.stack import LocalStack, StackSpec, load_config_file, sigterm_as_interrupt
+from kvtier.configs import load_config_file
+from kvtier.devstack.models import PRESETS, build_model
+from kvtier.devstack.placement import SPINNER_NICE
+from kvtier.devstack.spec import StackSpec
+from kvtier.devstack.stack import LocalStack
 
 
 def resolve_model(model: str) -> str:
@@ -31,8 +33,7 @@ def _stack_up(args: argparse.Namespace) -> int:
         base_port=args.base_port,
     )
     stack = LocalStack(spec, Path(args.log_dir))
-    # SIGTERM behaves like Ctrl-C so `kill` also tears the servers down.
-    sigterm_as_interrupt()
+    # `kvtier` installed kvtier.runtime's SIGTERM policy: `kill` unwinds like Ctrl-C.
     try:
         stack.start()
         desc = stack.describe()
@@ -53,7 +54,7 @@ def _stack_up(args: argparse.Namespace) -> int:
 
 
 def _stack_place(args: argparse.Namespace) -> int:
-    from kvtier.cpu_placement import place, priority_name
+    from kvtier.devstack.placement import place, priority_name
 
     nice = None if args.spinner_nice == "idle" else int(args.spinner_nice)
     placed = place(args.pid, args.core, nice=nice)
@@ -84,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=_stack_up)
     pl = st_sub.add_parser(
         "place", help="fix a running vLLM-CPU server's thread placement (NixlConnector moves "
-                      "its model thread; NIXL's progress thread spins): see kvtier.cpu_placement")
+                      "its model thread; NIXL's progress thread spins): see kvtier.devstack.placement")
     pl.add_argument("pid", type=int, help="the vLLM server's pid (its workers are found below "
                                           "it); run this while the server is idle")
     pl.add_argument("--core", type=int, default=None,

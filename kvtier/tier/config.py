@@ -11,7 +11,7 @@ Renamed/alternative keys are accepted through ``ALIASES``.
 Per-instance ports. One config file serves every instance of a stack, so the
 ports of the tier's event PUB, replay ROUTER and peer side channel are not in
 the file: ``resolved(env)`` takes them from the instance's environment, which
-``kvtier.stack.InstanceSpec.env()`` fills (``KVTIER_TIER_EVENTS_PORT``,
+``kvtier.devstack.stack.InstanceSpec.env()`` fills (``KVTIER_TIER_EVENTS_PORT``,
 ``KVTIER_TIER_REPLAY_PORT``, ``KVTIER_P2P_PORT``, ``KVTIER_POD_NAME``, and
 ``KVTIER_METRICS_PORT`` for the tier's Prometheus endpoint). The
 file only says *whether* the tier publishes events (``kv_events``) and serves
@@ -62,7 +62,7 @@ class HostTierConfig(BaseModel):
     events_port_offset: int | None = None
     replay_port_offset: int | None = None
     p2p_port_offset: int | None = None
-    # Prometheus /metrics of the tier (kvtier.tier_metrics); served when a
+    # Prometheus /metrics of the tier (kvtier.tier.metrics); served when a
     # port is known (metrics_port or KVTIER_METRICS_PORT) and metrics is on.
     metrics: bool = True
     metrics_port: int | None = Field(default=None, ge=0, le=65535)

@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.ab.costmodel import CostModel
 from kvtier.ab.fit import fit_from_records
 from kvtier.ab.records import RunResult, merge_repeats
-from kvtier.ab.retention import observed_waits
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import Trace
+from kvtier.cost.model import CostModel
+from kvtier.cost.retention import observed_waits
 
 log = logging.getLogger("kvtier.ab")
 

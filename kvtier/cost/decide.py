@@ -2,7 +2,7 @@
 
 Pure arithmetic, no I/O, no vLLM: the decision ``CostAwareConnector`` makes
 for every request, kept here so it is unit-tested on its own. The costs come
-from the one cost model kvtier has, ``kvtier.ab.costmodel.CostModel``
+from the one cost model kvtier has, ``kvtier.cost.model.CostModel``
 (fitted by ``kvtier calibrate``); this module only maps the connector's
 children onto its read paths and breaks ties.
 
@@ -39,8 +39,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from kvtier.ab.costmodel import LOCAL_PATH, LinkModel
-from kvtier.ab.costmodel import CostModel as FittedCost
+from kvtier.cost.model import LOCAL_PATH, LinkModel
+from kvtier.cost.model import CostModel as FittedCost
 
 log = logging.getLogger(__name__)
 

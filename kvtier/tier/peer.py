@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from kvtier.host_tier import BlockMeta, HostTier
 from kvtier.ids import RequestKey
-from kvtier.nixl_transport import NixlPool, TransferError
+from kvtier.tier.manager import BlockMeta, HostTier
+from kvtier.tier.nixl import NixlPool, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class PeerServer:
             while not self._stop.is_set():
                 busy = time.monotonic() < active_until
                 if busy:
-                    # No NIXL progress thread (kvtier.nixl_transport): the source side of a
+                    # No NIXL progress thread (kvtier.tier.nixl): the source side of a
                     # READ must progress its UCX worker itself while a peer reads from it.
                     self.nixl.progress()
                 if not sock.poll(1 if busy else 100):

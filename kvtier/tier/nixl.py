@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.host_pool import HostPool
+from kvtier.tier.pool import HostPool
 
 
 class TransferError(RuntimeError):
@@ -41,7 +41,7 @@ class NixlPool:
         # forever, idle or not (measured: 100% of a core from an agent that does nothing),
         # which on a CPU-served engine is a core taken from the model. `read` drives
         # progress itself by polling the transfer state; the source side calls `progress`
-        # while a peer may be reading (kvtier.peer.PeerServer), since UCX's TCP and
+        # while a peer may be reading (kvtier.tier.peer.PeerServer), since UCX's TCP and
         # shared-memory transports need the target to make progress too.
         self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False,
                                                               backends=["UCX"]))

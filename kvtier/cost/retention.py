@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvtier.ab.costmodel import CostModel
+from kvtier.cost.model import CostModel
 
 DEFAULT_HORIZON_S = 60.0
 MIN_TTL_S = 1.0      # vLLM's TTL is whole seconds; 0 would disable retention

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.host_tier import BlockMeta, LoadJob, Lookup, StoreJob, Tier, TierEvent
 from kvtier.ids import RequestKey
+from kvtier.tier.manager import BlockMeta, LoadJob, Lookup, StoreJob, Tier, TierEvent
 
 
 @dataclass
