@@ -5,20 +5,24 @@ any tokens. That is the wrong choice whenever a later child is cheaper: e.g.
 the local host tier holds turn 1's prompt (a memcpy away) while
 NixlConnector offers prompt + a few generated tokens from another host (a
 NIXL handshake and transfer away). This connector asks every child, as
-MultiConnector does, and then lets ``kvtier.cost.decide.choose_path`` pick the
-child (or plain recompute) with the lowest expected time. Everything else
+MultiConnector does, and then lets ``kvtier.cost.decide.decide`` (the decision the router
+and the simulator make too) pick the child (or plain recompute) with the lowest expected
+time; ties go to recompute, then to the child listed first. Everything else
 (saving to all children, merging ``kv_transfer_params``, async-save
 bookkeeping, releasing the children that were not chosen through
 ``update_state_after_alloc(..., 0)``) is MultiConnector's.
 
 Config: MultiConnector's ``kv_connector_extra_config`` plus a ``cost`` table
-parsed once into ``kvtier.cost.decide.CostModel`` (one ``paths`` entry per
+parsed once into ``kvtier.cost.config.CostConfig`` (one ``paths`` entry per
 child, in the same order). Preferred: the cost model ``kvtier calibrate --out
 cost.json`` fitted, with the read path each child stands for::
 
     "kv_connector_extra_config": {
       "connectors": [{...NixlConnector...}, {...KVTierConnector...}],
       "cost": {"fitted": "/etc/kvtier/cost.json", "paths": ["dp_read", "p2p"]}
+
+(a relative name is looked up in the working directory, then in kvtier's ``configs/``;
+``configs/costaware-calibrated.json`` names the shipped ``configs/cost-tiny.json``)
     }
 
 or a flat hand-written table (recompute linear in tokens)::
@@ -45,10 +49,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from kvtier.connectors import compat
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-from kvtier.cost.decide import Choice, CostModel, choose_path
+from kvtier.cost.config import CostConfig
+from kvtier.cost.decide import Decision, Offer, decide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,13 +85,13 @@ class CostAwareConnector(MultiConnector):
             raise ValueError("CostAwareConnector needs kv_connector_extra_config.cost "
                              "(fitted + paths, or recompute_tokens_per_s + paths; one paths "
                              "entry per child)")
-        cost = CostModel.model_validate(extra["cost"])
+        cost = CostConfig.model_validate(extra["cost"])
         if len(cost.paths) != len(self.sub_connectors):
             raise ValueError(f"cost.paths has {len(cost.paths)} entries for "
                              f"{len(self.sub_connectors)} connectors; give one per child")
         self.cost = cost.with_bytes_per_token(
             kv_bytes_per_token(kv_cache_config, vllm_config.cache_config.block_size))
-        self.last_choice: Choice | None = None  # for logs and tests of the adapter
+        self.last_choice: Decision | None = None  # for logs and tests of the adapter
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -95,17 +101,17 @@ class CostAwareConnector(MultiConnector):
             if toks is None:  # a child is still looking: ask again next step
                 return None, False
             offers.append((toks, load_async))
-        remaining = max(0, request.num_tokens - num_computed_tokens)
-        choice = choose_path([t for t, _ in offers], remaining, self.cost,
-                             cached=num_computed_tokens)
+        model, names = self.cost.resolved()
+        choice = decide(request.num_tokens, [Offer(n, t) for n, (t, _) in zip(names, offers)],
+                        local_tokens=num_computed_tokens, cost=model)
         self.last_choice = choice
-        if choice.path is None:
+        if choice.index is None:
             return 0, False
         # MultiConnector's per-request routing table: update_state_after_alloc
         # and get_external_cache_hit_sources consult it.
-        self._requests_to_connector[request.request_id] = choice.path
-        if any(t > 0 for t, _ in offers) and sum(t > 0 for t, _ in offers) > 1:
-            log.debug("kvtier cost-aware: req %s offers %s -> path %s (%.1f ms vs recompute %.1f ms)",
-                      request.request_id, [t for t, _ in offers], choice.path,
-                      choice.expected_s * 1e3, choice.recompute_s * 1e3)
-        return offers[choice.path]
+        compat.route_to_child(self, request.request_id, choice.index)
+        if sum(t > 0 for t, _ in offers) > 1:
+            log.debug("kvtier cost-aware: req %s offers %s -> child %s (%.1f ms vs recompute "
+                      "%.1f ms)", request.request_id, [t for t, _ in offers], choice.index,
+                      (choice.expected_s or 0.0) * 1e3, (choice.recompute_s or 0.0) * 1e3)
+        return offers[choice.index]

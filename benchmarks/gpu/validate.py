@@ -2,16 +2,16 @@
 Qwen3-32B / GLM-5 TTFT curves, and project every strategy for a 1P1D and a 2P4D fleet.
 
 Inputs: ``benchmarks/gpu/results-h200.json`` (from ``calibrate_gpu.py`` on the lent H200) and the
-published anchors in ``PUBLISHED`` (FACTS.md "Anchors"). Outputs: ``validation-h200.json`` and
+published anchors in ``PUBLISHED`` (docs/FACTS.md "Anchors"). Outputs: ``validation-h200.json`` and
 ``validation-h200.md`` beside this file (or ``--out-dir``).
 
 Everything here is an explicit assumption, printed with the result:
 
 - **Compute** comes from the calibration (random-weight Qwen3-32B layout, one H200, bf16, no TP),
-  fitted with `kvtier.cost.model.fit_prefill`. Scenario ``tp8`` divides it by 8 (one 8-GPU node per
+  fitted with `kvtier.cost.fit.fit_turns`. Scenario ``tp8`` divides it by 8 (one 8-GPU node per
   instance, ideal scaling, no all-reduce cost) and adds a fixed serving overhead fitted on ONE
   published point (recompute at 2k); every other published point is held out.
-- **Links** are not measured here (the in-machine NIXL path runs at 0.6 GB/s, FACTS.md): the published
+- **Links** are not measured here (the in-machine NIXL path runs at 0.6 GB/s, docs/FACTS.md): the published
   "KV transfer 30-130 ms" is read as a straight line through 30 ms at 2,048 tokens and 130 ms at
   24,576 tokens of Qwen3-32B KV (256 KiB/token), i.e. ~21 ms setup + ~59 GB/s. It serves the D->P read
   and the P->D hand-off. A peer host-tier read (``p2p``) adds the measured pinned-host bandwidth
@@ -38,13 +38,14 @@ from kvtier.ab.records import RunResult
 from kvtier.ab.simulator import PD_TRANSFER, FleetSpec, simulate
 from kvtier.ab.strategies import STRATEGY_NAMES, builtin
 from kvtier.ab.traces import ConversationSpec, SyntheticTraceConfig, Trace, TurnSpec, synthetic
-from kvtier.cost.model import CostModel, LinkModel, PrefillSample, ReadSample, fit_link, fit_prefill
+from kvtier.cost.fit import ReadSample, ServiceSample, fit_link, fit_turns
+from kvtier.cost.model import CostModel, LinkModel, kv_bytes_per_token
 from kvtier.ids import ConversationId
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
 
-# FACTS.md "Anchors": 1P1D H200 over EFA, prefill prefix cache off. ms at prompt tokens.
+# docs/FACTS.md "Anchors": 1P1D H200 over EFA, prefill prefix cache off. ms at prompt tokens.
 PUBLISHED: dict[str, dict[str, dict[int, float]]] = {
     "qwen3_32b": {"off": {2048: 158.0, 24576: 778.0}, "on": {2048: 122.0, 24576: 460.0}},
     "glm5_fp8": {"off": {2048: 500.0, 20480: 2334.0}, "on": {2048: 358.0, 20480: 702.0}},
@@ -111,8 +112,11 @@ def median_ttft_at_least(run: RunResult, min_prompt: int) -> float:
 def fit_shapes(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, s in results["shapes"].items():
-        samples = [PrefillSample(p["new_tokens"], p["cached_tokens"], p["seconds"]) for p in s["prefill"]]
-        a, b, c = fit_prefill(samples)
+        # a prefill of new tokens on top of cached ones, no transfer: the joint fit's prefill part
+        samples = [ServiceSample(p["new_tokens"], p["cached_tokens"], "local", p["seconds"])
+                   for p in s["prefill"]]
+        fit = fit_turns(samples, kv_bytes_per_token(s["config"]), BLOCK)
+        a, b, c = fit.prefill_a_s, fit.prefill_b_s_per_token, fit.prefill_c_s_per_token_ctx
         cost = CostModel.from_model_config(s["config"], prefill_a_s=a, prefill_b_s_per_token=b,
                                            prefill_c_s_per_token_ctx=c, block_size=BLOCK)
         if cost.kv_bytes_per_token != s["kv_bytes_per_token"]:
@@ -253,7 +257,7 @@ def projections(fits: dict[str, dict[str, Any]], results: dict[str, Any], scen: 
 # ---------------------------------------------------------------------------------------- report
 def markdown(fits: dict[str, dict[str, Any]], host: dict[str, LinkModel], rows: list[dict[str, Any]],
              scen: dict[str, Any], proj: list[dict[str, Any]]) -> str:
-    L: list[str] = ["## Fitted prefill model (kvtier.cost.model.fit_prefill, relative least squares)", "",
+    L: list[str] = ["## Fitted prefill model (kvtier.cost.fit.fit_turns, relative least squares)", "",
                     "| shape | KV B/token | a ms | b us/token | c ns/token/ctx | median abs resid | max abs resid | full/scaled |",
                     "|---|---|---|---|---|---|---|---|"]
     for name, f in fits.items():

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-REUSE_PATHS = ("dp_read", "p2p", "local", "none")
+from kvtier.ids import Outcome, ReusePath
+
+REUSE_PATHS: tuple[ReusePath, ...] = tuple(ReusePath)  # report column order
 
 # Context-length buckets (prompt tokens, upper bounds) for TTFT medians.
 DEFAULT_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -37,13 +39,13 @@ class TurnRecord(msgspec.Struct):
     turn: int
     prompt_tokens: int
     reused_tokens: int           # tokens whose KV came from elsewhere or the local cache
-    reuse_path: str              # one of REUSE_PATHS
+    reuse_path: ReusePath
     computed_tokens: int         # prompt tokens the prefill computed
     ttft_s: float
     e2e_s: float
     transfer_s: float = 0.0      # KV read time inside the prefill (0 for none/local)
     t_start: float = 0.0         # seconds since the run started
-    outcome: str = ""            # router's reuse decision: full|trimmed|stale|expired|none
+    outcome: Outcome = Outcome.NONE  # what became of the retained device KV (router's word)
     response_tokens: int = 0
     ok: bool = True
     error: str = ""
@@ -79,7 +81,7 @@ class RunResult(msgspec.Struct):
     def host_gb_seconds(self) -> float:
         return self._per_run_integral(lambda s: s.host_bytes_held / 1e9)
 
-    def _per_run_integral(self, value) -> float:
+    def _per_run_integral(self, value: Callable[[MemorySample], float]) -> float:
         windows = self.meta.get("repeat_windows")
         if not windows:
             return _integrate([(s.t, value(s)) for s in self.memory], self.meta.get("t_end"))
@@ -96,24 +98,24 @@ class RunResult(msgspec.Struct):
     def hit_rate(self) -> float:
         """Share of follow-up turns that reused anything."""
         fu = self.follow_ups
-        return sum(1 for t in fu if t.reuse_path != "none") / len(fu) if fu else 0.0
+        return sum(1 for t in fu if t.reuse_path != ReusePath.NONE) / len(fu) if fu else 0.0
 
     def expiry_rate(self) -> float:
         """Share of follow-up turns whose retained KV had expired when they came."""
         fu = self.follow_ups
-        return sum(1 for t in fu if t.outcome == "expired") / len(fu) if fu else 0.0
+        return sum(1 for t in fu if t.outcome == Outcome.EXPIRED) / len(fu) if fu else 0.0
 
     def reuse_by_path(self) -> dict[str, int]:
         """Reused tokens per path (all turns)."""
-        out = dict.fromkeys(REUSE_PATHS, 0)
+        out: dict[str, int] = {p.value: 0 for p in REUSE_PATHS}
         for t in self.ok_turns:
-            out[t.reuse_path] = out.get(t.reuse_path, 0) + t.reused_tokens
+            out[str(t.reuse_path)] = out.get(str(t.reuse_path), 0) + t.reused_tokens
         return out
 
     def turns_by_path(self) -> dict[str, int]:
-        out = dict.fromkeys(REUSE_PATHS, 0)
+        out: dict[str, int] = {p.value: 0 for p in REUSE_PATHS}
         for t in self.ok_turns:
-            out[t.reuse_path] = out.get(t.reuse_path, 0) + 1
+            out[str(t.reuse_path)] = out.get(str(t.reuse_path), 0) + 1
         return out
 
     def ttft_by_bucket(self, buckets: Sequence[int] = DEFAULT_BUCKETS) -> dict[int, float]:

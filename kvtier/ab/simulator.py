@@ -30,7 +30,7 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   prefill's own prefix cache when the strategy enables it and the fleet gives it room.
 - **Path choice**: fixed strategies read D→P when at least ``kv_recompute_threshold``
   tokens would be pulled (vLLM's gate), else from a peer host when the delta is at least
-  ``min_cached_token_delta``; ``adaptive`` strategies take `CostModel.best_path` per
+  ``min_cached_token_delta``; ``adaptive`` strategies take `kvtier.cost.decide` by cost per
   request. (The simulated world *is* the cost model, so an online refit would converge to
   it at once; the adaptive strategy uses it directly.)
 - **Adaptive device TTL**: ``adaptive`` strategies re-choose the decode TTL online from
@@ -52,7 +52,7 @@ import heapq
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -62,10 +62,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnRecord, bucket_of
 from kvtier.ab.strategies import StrategySpec, builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
+from kvtier.cost.decide import Offer, decide
 from kvtier.cost.model import CostModel
 from kvtier.cost.retention import WaitSample, choose_device_ttl
 from kvtier.cost.reuse import align_down
-from kvtier.ids import ConversationId
+from kvtier.ids import ConversationId, Outcome, ReusePath
 
 PD_TRANSFER = "pd_transfer"
 # tiered-adaptive online: re-choose the device TTL from the last ADAPTIVE_WINDOW waits once
@@ -281,7 +282,7 @@ class _Sim:
         for conv in self.trace.conversations:
             self.push(conv.start_s, _ARRIVE, (conv.conversation_id, 0))
         fifo = self.fleet.prefill_sharing == "fifo"
-        handlers = {_EXPIRE: self.on_expire, _FINISH: self.on_finish,
+        handlers: dict[int, Callable[..., None]] = {_EXPIRE: self.on_expire, _FINISH: self.on_finish,
                     _PREFILL_DONE: self.on_prefill_done if fifo else self.on_shared_done,
                     _ARRIVE: self.on_arrive, _START: self.on_start}
         while self.events:
@@ -341,12 +342,9 @@ class _Sim:
             ret = None  # expiry event not yet applied at this exact time
         held_dev = ret.tokens if (ret is not None and self.p.dp_read) else 0
         held_host = host.lookup(conv) if self.p.p2p else 0
-        cands: dict[str, int] = {}
-        if held_dev:
-            cands["dp_read"] = max(0, align_down(min(held_dev, proven), self.bs) - local)
-        if held_host:
-            cands["p2p"] = max(0, align_down(min(held_host, proven), self.bs) - local)
-        path, n = self.choose(prompt, local, cands)
+        offers = [Offer(ReusePath.DP_READ, max(0, align_down(min(held_dev, proven), self.bs) - local)),
+                  Offer(ReusePath.P2P, max(0, align_down(min(held_host, proven), self.bs) - local))]
+        path, n = self.choose(prompt, local, offers)
         transfer = self.cost.read_s(path, n) if path else 0.0
         service = self.cost.ttft_s(path, prompt, n, local_tokens=local)
         if PD_TRANSFER in self.cost.reads:
@@ -354,7 +352,7 @@ class _Sim:
             # prefix cache (freed, not evicted), and vLLM's decode pulls only
             # `tokens - num_computed_tokens` (nixl/pull_scheduler.py): the hand-off
             # covers the newly computed tokens alone.
-            handoff = prompt - n if path == "dp_read" else prompt
+            handoff = prompt - n if path == ReusePath.DP_READ else prompt
             service += self.cost.read_s(PD_TRANSFER, handoff)
         if ret is not None:
             # The next turn reads (or forgoes) D's copy; either way D frees it now:
@@ -363,17 +361,18 @@ class _Sim:
 
         retained_any = self.p.ttl_s > 0 or self.p.host_copy
         if turn == 0 or not retained_any:
-            outcome = "none"
+            outcome = Outcome.NONE
         elif not held_dev and not held_host:
-            outcome = "expired"
+            outcome = Outcome.EXPIRED
         elif path is None:
-            outcome = "none"
+            outcome = Outcome.NONE
         else:
-            outcome = "trimmed" if spec.strip_reasoning else "full"
+            outcome = Outcome.TRIMMED if spec.strip_reasoning else Outcome.FULL
         reused = local + n
         self.pending[(conv, turn)] = dict(
             arrival=arrival, prompt=prompt, reused=reused,
-            reuse_path=path or ("local" if local else "none"), transfer=transfer, outcome=outcome)
+            reuse_path=ReusePath(path) if path else (ReusePath.LOCAL if local else ReusePath.NONE),
+            transfer=transfer, outcome=outcome)
         if self.p.local_cache and self.fleet.prefill_cache_blocks:
             self.cache_prompt(pf, conv, prompt)
         return service
@@ -391,17 +390,15 @@ class _Sim:
                 self.ttl_s = ttl
                 self.ttl_history.append((self.now, ttl))
 
-    def choose(self, prompt: int, local: int, cands: dict[str, int]) -> tuple[str | None, int]:
+    def choose(self, prompt: int, local: int, offers: list[Offer]) -> tuple[str | None, int]:
+        """kvtier.cost.decide, as the deployed strategy would: by expected cost (adaptive), or
+        by vLLM's ``kv_recompute_threshold`` and the router's ``min_cached_token_delta``."""
         if self.p.adaptive:
-            return self.cost.best_path(prompt, cands, local_tokens=local)
-        n = cands.get("dp_read", 0)
-        # vLLM's pull gate: skip when 0 < threshold and count < threshold
-        if n > 0 and not (0 < self.p.threshold and n < self.p.threshold):
-            return "dp_read", n
-        n = cands.get("p2p", 0)
-        if n > 0 and n >= self.p.delta:
-            return "p2p", n
-        return None, 0
+            d = decide(prompt, offers, local_tokens=local, cost=self.cost)
+        else:
+            d = decide(prompt, offers, local_tokens=local,
+                       thresholds={ReusePath.DP_READ: self.p.threshold, ReusePath.P2P: self.p.delta})
+        return d.path, d.tokens
 
     def schedule_shared_done(self, i: int) -> None:
         t = self.prefills[i].next_done()

@@ -18,7 +18,7 @@
                    (``CostModel.recommend()``) and the device TTL from the cost model and
                    the tool waits seen so far (``kvtier.cost.retention``: hold on device
                    only while the device read saves more than the memory costs), and the
-                   path picked per request (``CostModel.best_path``) in the simulator,
+                   path picked per request by cost (``kvtier.cost.decide``) in the simulator,
                    which also re-chooses the TTL online as waits arrive. Live, vLLM fixes
                    ``kv_recompute_threshold`` and ``decoder_kv_blocks_ttl`` when an
                    instance starts, so the live run uses the values calibrated on the
@@ -48,12 +48,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.configs import load_config_file
+from kvtier.cost.model import CostModel
+from kvtier.cost.retention import TtlChoice, WaitSample, choose_device_ttl
 
 StrategyName = Literal["recompute", "device-ttl", "host-p2p", "tiered", "tiered-adaptive"]
 STRATEGY_NAMES: tuple[str, ...] = ("recompute", "device-ttl", "host-p2p", "tiered",
                                    "tiered-adaptive")
 
-# vLLM's NixlConnector defaults (FACTS.md): 480 s decode TTL, 64-token recompute threshold.
+# vLLM's NixlConnector defaults (docs/FACTS.md): 480 s decode TTL, 64-token recompute threshold.
 VLLM_DEFAULT_TTL_S = 480.0
 VLLM_DEFAULT_RECOMPUTE_THRESHOLD = 64
 # The short device TTL of `tiered`: covers the median tool wait of agentic traces
@@ -120,7 +122,7 @@ class StrategySpec(BaseModel):
         return self.model_copy(update={"kv_recompute_threshold": int(kv_recompute_threshold),
                                        "min_cached_token_delta": int(min_cached_token_delta)})
 
-    def with_cost_model(self, cost, waits: Sequence = ()) -> "StrategySpec":
+    def with_cost_model(self, cost: CostModel, waits: Sequence[WaitSample] = ()) -> "StrategySpec":
         """For adaptive strategies: thresholds from ``cost.recommend()`` (a CostModel) and,
         given observed tool waits (``kvtier.cost.retention.WaitSample``), the device TTL from
         ``choose_device_ttl`` -- or no device retention at all when no TTL pays for the
@@ -140,9 +142,8 @@ class StrategySpec(BaseModel):
         return self.model_copy(update={"device_retention": False, "decode_ttl_s": None,
                                        "dp_reuse": False})
 
-    def adaptive_ttl(self, cost, waits: Sequence):
+    def adaptive_ttl(self, cost: CostModel, waits: Sequence[WaitSample]) -> TtlChoice:
         """The cost model's device TTL for these waits (a ``TtlChoice``)."""
-        from kvtier.cost.retention import choose_device_ttl
 
         return choose_device_ttl(cost, waits, host_copy=self.host_tier and self.peer_fetch,
                                  horizon_s=self.retention_horizon_s)

@@ -1,5 +1,9 @@
 """Cost model: what a turn's TTFT costs on each KV path, fitted from measurements.
 
+The one cost model of kvtier: the CostAwareConnector, the router and the simulator all decide
+through it (``kvtier.cost.decide``), ``kvtier calibrate`` fits it (``kvtier.cost.fit``) and the
+device-TTL choice weighs memory against it (``kvtier.cost.retention``).
+
 Three ingredients, each fitted from samples a live stack produces (`kvtier calibrate`):
 
 - **KV size.** ``kv_bytes_per_token = layers × 2 (K and V) × kv_heads × head_dim × dtype bytes``
@@ -20,22 +24,18 @@ costs ``setup_s + n·kv_bytes_per_token / bytes_per_s``. The smallest ``n`` wher
 wins is the threshold: vLLM's ``kv_recompute_threshold`` for ``dp_read`` (it skips a D→P
 pull of fewer tokens), the router's ``min_cached_token_delta`` for ``p2p``.
 
-Threading model: every class here is an immutable value, safe to share between threads;
-`OnlineCalibrator` is single-threaded (the caller serializes ``observe_*`` and ``model``).
+Threading model: every class here is an immutable value, safe to share between threads.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections import deque
 from typing import Any
 
-import msgspec
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-LOCAL_PATH = "local"  # the engine's own prefix cache: no transfer
+from kvtier.ids import ReusePath
+
 NEVER = 1 << 30  # a threshold that never lets the path win (0 would mean "always", in vLLM)
 
 
@@ -51,21 +51,6 @@ class LinkModel(_Frozen):
 
     def seconds(self, nbytes: int) -> float:
         return 0.0 if nbytes <= 0 else self.setup_s + nbytes / self.bytes_per_s
-
-
-class PrefillSample(msgspec.Struct, frozen=True):
-    """One measured prefill: ``new_tokens`` computed on top of ``cached_tokens`` in ``seconds``."""
-
-    new_tokens: int
-    cached_tokens: int
-    seconds: float
-
-
-class ReadSample(msgspec.Struct, frozen=True):
-    """One measured KV read of ``bytes`` taking ``seconds`` (setup included)."""
-
-    bytes: int
-    seconds: float
 
 
 class Recommendation(_Frozen):
@@ -90,7 +75,7 @@ class CostModel(_Frozen):
     decode_s_per_token: float = Field(0.0, ge=0.0)  # TPOT, for end-to-end latency and occupancy
     reads: dict[str, LinkModel] = Field(default_factory=dict)
     block_size: int = Field(32, ge=1)
-    fit_notes: tuple[str, ...] = ()  # how each part was fitted (kvtier.ab.fit), for reports
+    fit_notes: tuple[str, ...] = ()  # how each part was fitted (kvtier.cost.fit), for reports
 
     # ------------------------------------------------------------------ construction
 
@@ -98,14 +83,6 @@ class CostModel(_Frozen):
     def from_model_config(cls, config_json: dict[str, Any], dtype_bytes: int = 2, **kw: Any) -> "CostModel":
         """A model whose KV size comes from a HF ``config.json``; other fields from ``kw``."""
         return cls(kv_bytes_per_token=kv_bytes_per_token(config_json, dtype_bytes), **kw)
-
-    @classmethod
-    def fitted(cls, kv_bytes_per_token: int, prefill: list[PrefillSample],
-               reads: dict[str, list[ReadSample]] | None = None, **kw: Any) -> "CostModel":
-        a, b, c = fit_prefill(prefill)
-        links = {path: fit_link(s) for path, s in (reads or {}).items()}
-        return cls(kv_bytes_per_token=kv_bytes_per_token, prefill_a_s=a, prefill_b_s_per_token=b,
-                   prefill_c_s_per_token_ctx=c, reads=links, **kw)
 
     # ------------------------------------------------------------------ costs
 
@@ -117,7 +94,7 @@ class CostModel(_Frozen):
                 + self.prefill_c_s_per_token_ctx * n * (cached_tokens + n / 2))
 
     def read_s(self, path: str, tokens: int) -> float:
-        if tokens <= 0 or path == LOCAL_PATH:
+        if tokens <= 0 or path == ReusePath.LOCAL:
             return 0.0
         try:
             link = self.reads[path]
@@ -137,23 +114,6 @@ class CostModel(_Frozen):
         reused = 0 if path is None else min(max(0, reused_tokens), prompt_tokens - 1 - local)
         read = self.read_s(path, reused) if path is not None else 0.0
         return read + self.prefill_s(prompt_tokens - local - reused, local + reused)
-
-    def best_path(self, prompt_tokens: int, candidates: dict[str, int], *,
-                  local_tokens: int = 0) -> tuple[str | None, int]:
-        """The candidate path (path → reusable tokens beyond ``local_tokens``) with the lowest
-        expected TTFT, or ``(None, 0)`` when recomputing is at least as fast. Ties go to
-        recompute, then to the path listed first: moving bytes that save nothing is a cost
-        the model does not see (memory bandwidth, pinned leases).
-        """
-        best: tuple[str | None, int] = (None, 0)
-        best_t = self.ttft_s(None, prompt_tokens, 0, local_tokens=local_tokens)
-        for path, tokens in candidates.items():
-            if tokens <= 0:
-                continue
-            t = self.ttft_s(path, prompt_tokens, tokens, local_tokens=local_tokens)
-            if t < best_t:
-                best, best_t = (path, min(tokens, prompt_tokens - 1 - min(local_tokens, prompt_tokens - 1))), t
-        return best
 
     # ------------------------------------------------------------------ thresholds
 
@@ -216,99 +176,3 @@ def kv_bytes_per_token(config_json: dict[str, Any], dtype_bytes: int = 2) -> int
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     return layers * 2 * kv_heads * head_dim * dtype_bytes
-
-
-# ---------------------------------------------------------------------- fitting
-
-
-def _nnls_small(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares for a handful of columns: best fit over column subsets."""
-    k = x.shape[1]
-    best, best_err = np.zeros(k), float(np.sum(y * y))
-    for r in range(1, k + 1):
-        for cols in itertools.combinations(range(k), r):
-            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-            if np.any(coef < 0):
-                continue
-            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
-            if err < best_err - 1e-18:
-                best = np.zeros(k)
-                best[list(cols)] = coef
-                best_err = err
-    return best
-
-
-def fit_prefill(samples: list[PrefillSample], relative: bool = True) -> tuple[float, float, float]:
-    """Least-squares ``(a, b, c)`` of ``a + b·new + c·new·(cached + new/2)``, all ≥ 0.
-
-    ``relative`` (default) weights each sample by 1/seconds, i.e. minimizes relative error,
-    so 5 ms and 5 s prefills count alike.
-    """
-    if len(samples) < 3:
-        raise ValueError(f"need at least 3 prefill samples, got {len(samples)}")
-    new = np.array([s.new_tokens for s in samples], dtype=float)
-    cached = np.array([s.cached_tokens for s in samples], dtype=float)
-    y = np.array([s.seconds for s in samples], dtype=float)
-    if np.any(y <= 0) or np.any(new < 0) or np.any(cached < 0):
-        raise ValueError("prefill samples need positive seconds and non-negative token counts")
-    x = np.column_stack([np.ones_like(new), new, new * (cached + new / 2)])
-    if relative:
-        x, y = x / y[:, None], np.ones_like(y)
-    a, b, c = _nnls_small(x, y)
-    return float(a), float(b), float(c)
-
-
-def fit_link(samples: list[ReadSample]) -> LinkModel:
-    """Least-squares ``setup_s + bytes / bytes_per_s`` (needs two distinct sizes)."""
-    nb = np.array([s.bytes for s in samples], dtype=float)
-    y = np.array([s.seconds for s in samples], dtype=float)
-    if len(set(nb.tolist())) < 2:
-        raise ValueError("need read samples of at least two distinct sizes")
-    setup, per_byte = _nnls_small(np.column_stack([np.ones_like(nb), nb]), y)
-    if per_byte <= 0:
-        raise ValueError("read time does not grow with size; cannot fit a bandwidth")
-    return LinkModel(setup_s=float(setup), bytes_per_s=float(1.0 / per_byte))
-
-
-class OnlineCalibrator:
-    """Refits a CostModel from the most recent samples, for ``tiered-adaptive``.
-
-    Starts from a prior model; each ``observe_*`` adds a sample to a bounded window,
-    and ``model()`` returns the prior with every part that has enough samples refitted.
-
-    Threading model: single-threaded; the caller serializes all calls.
-    """
-
-    def __init__(self, prior: CostModel, window: int = 256, min_samples: int = 8) -> None:
-        self._prior = prior
-        self._min = min_samples
-        self._prefill: deque[PrefillSample] = deque(maxlen=window)
-        self._reads: dict[str, deque[ReadSample]] = {}
-        self._window = window
-        self._cached: CostModel | None = prior
-
-    def observe_prefill(self, sample: PrefillSample) -> None:
-        self._prefill.append(sample)
-        self._cached = None
-
-    def observe_read(self, path: str, sample: ReadSample) -> None:
-        self._reads.setdefault(path, deque(maxlen=self._window)).append(sample)
-        self._cached = None
-
-    def model(self) -> CostModel:
-        if self._cached is not None:
-            return self._cached
-        update: dict[str, Any] = {}
-        if len(self._prefill) >= self._min:
-            a, b, c = fit_prefill(list(self._prefill))
-            update.update(prefill_a_s=a, prefill_b_s_per_token=b, prefill_c_s_per_token_ctx=c)
-        reads = dict(self._prior.reads)
-        for path, samples in self._reads.items():
-            if len(samples) >= self._min and len({s.bytes for s in samples}) >= 2:
-                try:
-                    reads[path] = fit_link(list(samples))
-                except ValueError:
-                    pass  # not enough spread yet: keep the prior for this path
-        update["reads"] = reads
-        self._cached = self._prior.model_copy(update=update)
-        return self._cached

@@ -14,6 +14,8 @@ does not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def align_down(tokens: int, block_size: int) -> int:
     if block_size <= 0:
@@ -28,7 +30,7 @@ def reusable_tokens(cached: int, prompt: int, local: int, block_size: int) -> in
     return max(0, align_down(min(cached, prompt), block_size) - local)
 
 
-def common_prefix_len(a, b) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
     i = 0

@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 from kvtier.configs import CONFIG_DIR, load_config_file
-from kvtier.cost.decide import CostModel, choose_path
+from kvtier.cost.config import CostConfig
+from kvtier.cost.decide import Offer, decide
 from kvtier.devstack.spec import StackSpec
 from kvtier.transfer_params import KVTransferParams
 from tests.e2e.pd import reset_prefix_cache
@@ -42,12 +43,14 @@ def costaware(stack_pool, tiny_model):
                                     extra_args=("--disable-hybrid-kv-cache-manager",)))
 
 
-def _expected_path(nixl_offer: int, host_offer: int, remaining: int) -> int | None:
+def _expected_path(nixl_offer: int, host_offer: int, prompt: int) -> int | None:
     raw = json.loads((CONFIG_DIR / f"{CFG}.json").read_text())
     # tiny model: 4 layers x K,V x 2 KV heads x 64 dims x fp16 = 2048 B/token
-    model = CostModel.model_validate(raw["kv_connector_extra_config"]["cost"]) \
+    cfg = CostConfig.model_validate(raw["kv_connector_extra_config"]["cost"]) \
         .with_bytes_per_token(2048)
-    return choose_path([nixl_offer, host_offer], remaining, model).path
+    cost, names = cfg.resolved()
+    return decide(prompt, [Offer(names[0], nixl_offer), Offer(names[1], host_offer)],
+                  cost=cost).index
 
 
 @pytest.mark.parametrize("n_gen,winner", [(8, "host"), (200, "p2p")])
@@ -72,3 +75,39 @@ def test_turn2_path_chosen_by_expected_cost(costaware, n_gen, winner):
         want = {"host": host_offer if winner == "host" else 0,
                 "p2p": nixl_offer if winner == "p2p" else 0}
         assert got == want
+
+
+CALIBRATED = "costaware-calibrated"  # cost.fitted names configs/cost-tiny.json (kvtier calibrate)
+
+
+@pytest.fixture(scope="module")
+def calibrated(stack_pool, tiny_model):
+    return stack_pool.get(StackSpec(model=tiny_model, prefill=1, decode=1,
+                                    kv_transfer_config=load_config_file(CALIBRATED),
+                                    extra_args=("--disable-hybrid-kv-cache-manager",)))
+
+
+def test_calibrated_cost_model_file_drives_the_choice(calibrated):
+    """The shipped config naming a `kvtier calibrate` output starts, and the engine loads what
+    kvtier.cost.decide says over that fitted model (whichever path that is)."""
+    P, D = calibrated.prefill[0].url, calibrated.decode[0].url
+    raw = load_config_file(CALIBRATED)["kv_connector_extra_config"]["cost"]
+    cost, names = CostConfig.model_validate(raw).with_bytes_per_token(2048).resolved()
+    with httpx.Client(timeout=180) as c:
+        prompt, dec1, turn2 = _turn1(c, P, D, seed=300, n_prompt_blocks=12, n_gen=64)
+        retained = KVTransferParams.from_wire(dec1["kv_transfer_params"])
+        assert retained is not None and retained.nixl is not None
+        nixl_offer = retained.nixl.remote_num_tokens
+        host_offer = len(prompt) // BS * BS
+        expected = decide(len(turn2), [Offer(names[0], nixl_offer), Offer(names[1], host_offer)],
+                          cost=cost).index
+        ref2 = _ref(c, P, turn2, 16)
+        reset_prefix_cache(c, P)
+        p0 = _by_source(c, P)
+        _, dec2 = _pd(c, P, D, turn2, 16, KVTransferParams.prefill_request(reuse=retained.nixl))
+        p1 = _by_source(c, P)
+        assert dec2["choices"][0]["token_ids"] == ref2
+        got = {s: p1[s] - p0[s] for s in p0}
+        want = {"p2p": nixl_offer if expected == 0 else 0,
+                "host": host_offer if expected == 1 else 0}
+        assert got == want, f"decide chose child {expected}"

@@ -7,12 +7,13 @@ import math
 import pytest
 
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord, bucket_of, decode, encode
+from kvtier.ids import Outcome, ReusePath
 
 
-def turn(conv="c", i=0, prompt=100, reused=0, path="none", ttft=0.1, outcome="", ok=True):
+def turn(conv="c", i=0, prompt=100, reused=0, path="none", ttft=0.1, outcome="none", ok=True):
     return TurnRecord(strategy="s", conversation_id=conv, turn=i, prompt_tokens=prompt,
-                      reused_tokens=reused, reuse_path=path, computed_tokens=prompt - reused,
-                      ttft_s=ttft, e2e_s=ttft * 2, outcome=outcome, ok=ok)
+                      reused_tokens=reused, reuse_path=ReusePath(path), computed_tokens=prompt - reused,
+                      ttft_s=ttft, e2e_s=ttft * 2, outcome=Outcome(outcome), ok=ok)
 
 
 def test_block_seconds_sample_and_hold():

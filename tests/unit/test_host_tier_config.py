@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -69,7 +70,20 @@ def _kvtier_children(cfg: dict) -> list[dict]:
             if c["kv_connector"] == "KVTierConnector"]
 
 
-@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def _connector_configs() -> list[Path]:
+    return [p for p in sorted(CONFIG_DIR.glob("*.json"))
+            if "kv_connector" in json.loads(p.read_text())]
+
+
+def test_every_shipped_json_is_a_connector_config_or_a_cost_model():
+    from kvtier.cost.model import CostModel
+
+    for p in sorted(CONFIG_DIR.glob("*.json")):
+        if p not in _connector_configs():
+            CostModel.model_validate_json(p.read_text())  # raises if it is neither
+
+
+@pytest.mark.parametrize("path", _connector_configs(), ids=lambda p: p.name)
 def test_shipped_configs_parse_and_carry_no_ports(path):
     """Every shipped config's kvtier part parses, and resolves against the
     env a stack instance really gets (no fixed or offset ports in files)."""

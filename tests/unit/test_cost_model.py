@@ -1,23 +1,12 @@
-"""Cost model: KV size, fits, TTFT per path, thresholds (kvtier.cost.model)."""
+"""Cost model: KV size, TTFT per path, thresholds (kvtier.cost.model)."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 
-from kvtier.cost.model import (
-    NEVER,
-    CostModel,
-    LinkModel,
-    OnlineCalibrator,
-    PrefillSample,
-    ReadSample,
-    fit_link,
-    fit_prefill,
-    kv_bytes_per_token,
-)
+from kvtier.cost.model import NEVER, CostModel, LinkModel, kv_bytes_per_token
 
 TINY = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -49,51 +38,6 @@ def test_kv_bytes_per_token_from_configs():
     assert cm.kv_bytes_per_token == 2048 and cm.prefill_a_s == 0.5
 
 
-def test_fit_prefill_recovers_coefficients_from_noisy_samples():
-    rng = np.random.default_rng(3)
-    a, b, c = 0.012, 3e-4, 4e-8
-    samples = []
-    for _ in range(300):
-        new = int(rng.integers(1, 8000))
-        cached = int(rng.integers(0, 30000))
-        t = a + b * new + c * new * (cached + new / 2)
-        samples.append(PrefillSample(new, cached, t * (1 + 0.03 * rng.standard_normal())))
-    fa, fb, fc = fit_prefill(samples)
-    assert fa == pytest.approx(a, rel=0.15)
-    assert fb == pytest.approx(b, rel=0.1)
-    assert fc == pytest.approx(c, rel=0.1)
-    fa2, fb2, fc2 = fit_prefill(samples, relative=False)
-    assert fb2 == pytest.approx(b, rel=0.15) and fc2 == pytest.approx(c, rel=0.15)
-
-
-def test_fit_prefill_never_negative():
-    # pure per-token cost, with noise that would push an unconstrained fit's a or c below 0
-    rng = np.random.default_rng(0)
-    samples = [PrefillSample(n, 0, 1e-4 * n * (1 + 0.05 * rng.standard_normal())) for n in range(10, 2000, 37)]
-    a, b, c = fit_prefill(samples)
-    assert min(a, b, c) >= 0
-    assert b == pytest.approx(1e-4, rel=0.05)
-    with pytest.raises(ValueError):
-        fit_prefill(samples[:2])
-    with pytest.raises(ValueError):
-        fit_prefill([PrefillSample(1, 0, 0.0)] * 3)
-
-
-def test_fit_link_recovers_setup_and_bandwidth():
-    rng = np.random.default_rng(1)
-    samples = []
-    for _ in range(100):
-        nb = int(rng.integers(1 << 16, 1 << 28))
-        samples.append(ReadSample(nb, (0.003 + nb / 5e9) * (1 + 0.02 * rng.standard_normal())))
-    link = fit_link(samples)
-    assert link.bytes_per_s == pytest.approx(5e9, rel=0.05)
-    assert link.setup_s == pytest.approx(0.003, abs=0.002)
-    with pytest.raises(ValueError):
-        fit_link([ReadSample(100, 0.1), ReadSample(100, 0.2)])
-    with pytest.raises(ValueError):
-        fit_link([ReadSample(100, 0.2), ReadSample(1000, 0.1)])
-
-
 def test_prefill_read_ttft():
     cm = _model()
     assert cm.prefill_s(1000, 0) == pytest.approx(0.01 + 0.2 + 2e-8 * 1000 * 500)
@@ -110,28 +54,6 @@ def test_prefill_read_ttft():
     # local tokens come free and shift the read
     assert cm.ttft_s("p2p", 1000, 300, local_tokens=600) == pytest.approx(
         cm.read_s("p2p", 300) + cm.prefill_s(100, 900))
-
-
-def test_best_path_edge_cases():
-    cm = _model()
-    assert cm.best_path(5000, {}) == (None, 0)
-    assert cm.best_path(5000, {"dp_read": 0, "p2p": -3}) == (None, 0)
-    # a tiny reuse does not pay for the setup
-    assert cm.best_path(5000, {"dp_read": 8}) == (None, 0)
-    # big reuse: the faster link wins even with fewer tokens... up to a point
-    assert cm.best_path(5000, {"p2p": 4000, "dp_read": 4000}) == ("dp_read", 4000)
-    assert cm.best_path(5000, {"p2p": 4800, "dp_read": 64})[0] == "p2p"
-    # reuse capped at prompt - 1
-    assert cm.best_path(100, {"dp_read": 5000}) == ("dp_read", 99)
-    # single-token prompt: nothing to reuse
-    assert cm.best_path(1, {"dp_read": 5000}) == (None, 0)
-    # a slow link never wins
-    slow = _model(reads={"dp_read": LinkModel(setup_s=0.0, bytes_per_s=1e3)})
-    assert slow.best_path(5000, {"dp_read": 4999}) == (None, 0)
-    # the choice agrees with ttft_s
-    for cands in ({"dp_read": 640, "p2p": 3000}, {"dp_read": 3000, "p2p": 3100}):
-        path, n = cm.best_path(4000, cands)
-        assert cm.ttft_s(path, 4000, n) <= min(cm.ttft_s(p, 4000, k) for p, k in cands.items())
 
 
 def test_break_even_is_where_read_equals_recompute():
@@ -185,28 +107,3 @@ def test_recommend_never_and_missing_paths():
     cheap = _model(reads={"dp_read": LinkModel(setup_s=0.0, bytes_per_s=1e12),
                           "p2p": LinkModel(setup_s=0.0, bytes_per_s=1e12)}).recommend()
     assert cheap.kv_recompute_threshold == 32 and cheap.min_cached_token_delta == 32
-
-
-def test_fitted_end_to_end_and_online_calibrator():
-    truth = _model()
-    rng = np.random.default_rng(5)
-    pre = [PrefillSample(n, c, truth.prefill_s(n, c)) for n, c in rng.integers(1, 6000, size=(50, 2)).tolist()]
-    reads = {p: [ReadSample(int(nb), truth.reads[p].seconds(int(nb))) for nb in rng.integers(1e5, 1e8, 20)]
-             for p in truth.reads}
-    fitted = CostModel.fitted(2048, pre, reads)
-    assert fitted.recommend().kv_recompute_threshold == truth.recommend().kv_recompute_threshold
-    assert fitted.recommend().min_cached_token_delta == truth.recommend().min_cached_token_delta
-
-    prior = _model(prefill_b_s_per_token=1e-6, prefill_c_s_per_token_ctx=0.0)
-    cal = OnlineCalibrator(prior, window=64, min_samples=8)
-    assert cal.model() is cal.model() and cal.model() == prior
-    for s in pre[:7]:
-        cal.observe_prefill(s)
-    assert cal.model().prefill_b_s_per_token == prior.prefill_b_s_per_token  # not enough yet
-    for s in pre[7:]:
-        cal.observe_prefill(s)
-    assert cal.model().prefill_b_s_per_token == pytest.approx(truth.prefill_b_s_per_token, rel=0.05)
-    for s in reads["p2p"]:
-        cal.observe_read("p2p", ReadSample(s.bytes, s.seconds * 10))  # the link got 10x slower
-    assert cal.model().reads["p2p"].bytes_per_s == pytest.approx(1e8, rel=0.05)
-    assert cal.model().recommend().min_cached_token_delta > fitted.recommend().min_cached_token_delta
