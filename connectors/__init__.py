@@ -17,7 +17,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kvtier.connectors' has no attribute {name!r}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.connectors import compat
 from kvtier.connectors.tier_scheduler import TierScheduler
 from kvtier.connectors.tier_worker import LoadOp, StoreOp, TierWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,11 +39,6 @@ from kvtier.tier.manager import HostTier
 from kvtier.tier.pool import HostPool
 from kvtier.transfer_params import KVTransferParams
 
-try:  # vLLM >= 0.30 labels external hits by source
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore
-except Exception:  # pragma: no cover
-    CacheHitSource = None  # type: ignore
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -50,6 +46,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvtier.tier.metrics import TierMetricsServer
+    from kvtier.tier.nixl import NixlPool
+    from kvtier.tier.peer import PeerServer
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +94,13 @@ class KVGeometry:
                 f"{type(spec).__name__}:{getattr(spec, 'num_kv_heads', '?')}x"
                 f"{getattr(spec, 'head_size', '?')}:{getattr(spec, 'dtype', '?')}"
                 f":{spec.page_size_bytes}x{len(g.layer_names)}")
-        layout = f"{kv_cache_config.kv_cache_layout or 'default'}|bs{block_size}|" + ";".join(parts)
+        layout = (f"{compat.kv_cache_layout(kv_cache_config) or 'default'}|bs{block_size}|"
+                  + ";".join(parts))
         return cls(block_size, slot, kv_cache_config.num_blocks, tuple(names), layout)
 
 
+@compat.label_host_hits
 class KVTierConnector(KVConnectorBase_V1):
-    if CacheHitSource is not None:
-        _cache_hit_source = CacheHitSource.HOST
-
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # best-effort cache: a dropped store is a future miss
@@ -109,7 +108,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
-        ktc = self._kv_transfer_config
+        ktc = compat.kv_transfer_config(self)
         self.cfg = HostTierConfig.from_extra_config(ktc.kv_connector_extra_config).resolved(
             dict(os.environ))
         block_size = self.cfg.block_size or vllm_config.cache_config.block_size
@@ -127,15 +126,17 @@ class KVTierConnector(KVConnectorBase_V1):
             tier = HostTier(num_slots, self.geometry.slot_bytes, lease_s=self.cfg.lease_s)
             hasher = RequestKeyHasher(self.model, block_size, seed=self.cfg.hash_seed)
             self.sched = TierScheduler(tier, hasher, block_size, self.cfg.offload_prompt_only)
-            self.peer_server = self.nixl = self.pool = None
+            self.peer_server: PeerServer | None = None
+            self.nixl: NixlPool | None = None
+            self.pool: HostPool | None = None
             if self.cfg.p2p_port is not None:
                 self._start_peer(pool_tag, num_slots)
-            self.events = None
+            self.events: TierEventPublisher | None = None
             if self.cfg.events_endpoint:
                 self.events = TierEventPublisher(
                     self.cfg.events_endpoint, self.cfg.replay_endpoint, self.cfg.events_topic,
                     self.cfg.events_buffer_steps)
-            self.metrics = None
+            self.metrics: TierMetricsServer | None = None
             if self.cfg.metrics and self.cfg.metrics_port is not None:
                 self._start_metrics(tier, pool_tag)
         else:
@@ -146,7 +147,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def _start_peer(self, pool_tag: str, num_slots: int) -> None:
         from kvtier.tier.nixl import NixlPool
-        from kvtier.tier.peer import Identity, PeerClient, PeerServer
+        from kvtier.tier.peer import PeerClient, PeerServer
+        from kvtier.wire.peer import Identity
 
         assert self.sched is not None and self.cfg.p2p_port is not None
         g = self.geometry
@@ -180,7 +182,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
+        meta = compat.connector_metadata(self)
         assert isinstance(meta, TierMetadata) and self.worker is not None
         if meta.loads or meta.stores:
             self.worker.run(meta.loads, meta.stores)

@@ -28,7 +28,7 @@ scheduler half guarantees a slot has one writer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -68,7 +68,7 @@ class _Layer:
     rows: np.ndarray | None = None  # [num_blocks, nbytes] bytes, when host-contiguous
 
 
-def runs(block_ids: tuple[int, ...], slots: tuple[int, ...]) -> list[tuple[int, int, int]]:
+def runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split paired block ids and slots into ``(block0, slot0, length)`` runs in
     which both advance by one, so each run is a single slice copy."""
     out: list[tuple[int, int, int]] = []
@@ -145,14 +145,14 @@ class TierWorker:
             self._store(op)
             self._done_stores.append(op.job_id)
             self._finished_sending.add(op.req_id)
-        for op in loads:
+        for load in loads:
             try:
-                self._load(op)
-                self._done_loads.append((op.job_id, True))
+                self._load(load)
+                self._done_loads.append((load.job_id, True))
             except Exception:  # a failed copy must become a recompute, not a crash
-                log.exception("kvtier load job %d failed", op.job_id)
-                self._done_loads.append((op.job_id, False))
-                self._load_errors.update(op.block_ids)
+                log.exception("kvtier load job %d failed", load.job_id)
+                self._done_loads.append((load.job_id, False))
+                self._load_errors.update(load.block_ids)
 
     def _store(self, op: StoreOp) -> None:
         assert self._pool_t is not None and self.pool is not None
@@ -167,17 +167,19 @@ class TierWorker:
             self._pool_t[slots, layer.offset: layer.offset + layer.nbytes] = (
                 src.reshape(len(op.slots), layer.nbytes).cpu())
 
-    def _fast_views(self, block_ids, slots) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _fast_views(self, block_ids: Sequence[int],
+                    slots: Sequence[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(KV-cache rows, pool rows) for every run of consecutive (block, slot)
         and every layer with a byte view; ``_store`` copies right to left,
         ``_load`` left to right."""
-        fast = [layer for layer in self._layers if layer.rows is not None]
+        fast = [(layer, layer.rows) for layer in self._layers if layer.rows is not None]
         if not fast:
             return
+        assert self.pool is not None
         pool = self.pool.array
         for b0, s0, n in self._split(runs(block_ids, slots)):
-            for layer in fast:
-                yield (layer.rows[b0:b0 + n],
+            for layer, rows in fast:
+                yield (rows[b0:b0 + n],
                        pool[s0:s0 + n, layer.offset:layer.offset + layer.nbytes])
 
     def _split(self, rs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

