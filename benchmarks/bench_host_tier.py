@@ -135,7 +135,7 @@ def bench_store_load(g: Geometry, blocks: int, reps: int, scattered: bool,
 
 
 def _ident(g: Geometry):
-    from kvtier.tier.peer import Identity
+    from kvtier.wire.peer import Identity
 
     return Identity("bench", g.block_size, 0, "bench-layout", g.slot_bytes)
 
@@ -158,7 +158,8 @@ def _source(port: int, blocks: int, g: Geometry, conn) -> None:
 
 def bench_peer(g: Geometry, blocks: int, reps: int) -> dict:
     from kvtier.tier.nixl import NixlPool
-    from kvtier.tier.peer import Hello, PeerClient, Welcome
+    from kvtier.tier.peer import PeerClient
+    from kvtier.wire.peer import Hello, Welcome
 
     port = free_ports(1)[0]
     ctx = mp.get_context("spawn")

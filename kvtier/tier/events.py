@@ -36,44 +36,19 @@ import zmq
 
 from kvtier.ids import Tier
 from kvtier.tier.manager import TierEvent, TierEventKind
+from kvtier.wire.kv_events import (
+    END_SEQ,
+    BatchOut,
+    ClearedOut,
+    EventOut,
+    RemovedOut,
+    StoredOut,
+)
 
 log = logging.getLogger(__name__)
-END_SEQ = (1 << 64) - 1  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
-
-
-class _Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class BlockStored(_Event):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    # Required (no default) as in vLLM, so they are always on the wire.
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(_Event):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(_Event):
-    pass
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[_Event]
-    data_parallel_rank: int | None = None
-
-
-def to_wire_events(events: Sequence[TierEvent], block_size: int) -> list[_Event]:
+def to_wire_events(events: Sequence[TierEvent], block_size: int) -> list[EventOut]:
     """Translate tier events into vLLM event structs (one BlockStored per block)."""
-    out: list[_Event] = []
+    out: list[EventOut] = []
     cpu = Tier.CPU.value
     for ev in events:
         if ev.kind is TierEventKind.STORED:
@@ -81,14 +56,14 @@ def to_wire_events(events: Sequence[TierEvent], block_size: int) -> list[_Event]
                 h = meta.engine_hash if meta.engine_hash is not None else key
                 parent = (meta.parent_engine_hash if meta.parent_engine_hash is not None
                           else meta.parent_key)
-                out.append(BlockStored([int(h)], None if parent is None else int(parent),
+                out.append(StoredOut([int(h)], None if parent is None else int(parent),
                                        list(meta.token_ids), block_size, None, cpu, None))
         elif ev.kind is TierEventKind.REMOVED:
             hashes = [int(m.engine_hash if m.engine_hash is not None else k)
                       for k, m in zip(ev.keys, ev.metas)]
-            out.append(BlockRemoved(hashes, cpu))
+            out.append(RemovedOut(hashes, cpu))
         else:
-            out.append(AllBlocksCleared())
+            out.append(ClearedOut())
     return out
 
 
@@ -103,7 +78,7 @@ class TierEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._stop = threading.Event()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
         self._ready = threading.Event()
         self._error: Exception | None = None
@@ -116,7 +91,7 @@ class TierEventPublisher:
     def publish(self, events: Sequence[TierEvent], block_size: int) -> None:
         wire = to_wire_events(events, block_size)
         if wire:
-            self._q.put(EventBatch(time.time(), wire, self.dp_rank))
+            self._q.put(BatchOut(time.time(), wire, self.dp_rank))
 
     def _run(self) -> None:
         try:

@@ -15,16 +15,17 @@ Threading model: same as the inner tier (caller serialises).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.ids import RequestKey
-from kvtier.tier.manager import BlockMeta, LoadJob, Lookup, StoreJob, Tier, TierEvent
+from kvtier.tier.accounting import TierStats
+from kvtier.tier.manager import BlockMeta, LoadJob, LookupResult, StoreJob, TierEvent, TierManager
 
 
 @dataclass
 class FaultyTier:
-    inner: Tier
+    inner: TierManager
     evict_after_lookup: bool = False
     fail_next_load: bool = False
 
@@ -37,20 +38,21 @@ class FaultyTier:
         return self.inner.capacity_bytes
 
     @property
-    def stats(self):
+    def stats(self) -> TierStats:
         return self.inner.stats
 
-    def lookup(self, key: RequestKey) -> Lookup:
+    def lookup(self, key: RequestKey) -> LookupResult:
         return self.inner.lookup(key)
 
     def lookup_prefix(self, keys: Sequence[RequestKey]) -> int:
         n = self.inner.lookup_prefix(keys)
         if self.evict_after_lookup and n:
             self.evict_after_lookup = False
-            self.inner.evict(keys[:n])  # type: ignore[attr-defined]
+            self.inner.evict(keys[:n])
         return n
 
-    def prepare_store(self, keys, metas: Sequence[BlockMeta] | None = None) -> StoreJob | None:
+    def prepare_store(self, keys: Sequence[RequestKey],
+                      metas: Sequence[BlockMeta] | None = None) -> StoreJob | None:
         return self.inner.prepare_store(keys, metas)
 
     def complete_store(self, job_id: int, success: bool) -> None:
@@ -68,11 +70,11 @@ class FaultyTier:
     def expire_leases(self, now: float | None = None) -> list[int]:
         return self.inner.expire_leases(now)
 
-    def evict(self, keys) -> int:
-        return self.inner.evict(keys)  # type: ignore[attr-defined]
+    def evict(self, keys: Iterable[RequestKey]) -> int:
+        return self.inner.evict(keys)
 
     def slot_of(self, key: RequestKey) -> int | None:
-        return self.inner.slot_of(key)  # type: ignore[attr-defined]
+        return self.inner.slot_of(key)
 
     def clear(self) -> None:
         self.inner.clear()

@@ -22,7 +22,7 @@ only when the last pin is released, so a transfer in flight never reads a
 slot that is being overwritten. Pins are leases: ``expire_leases(now)``
 fails load jobs older than ``lease_s`` (a peer that died never confirms).
 
-Outcomes are values: lookups return ``Lookup``; ``prepare_store`` returns
+Outcomes are values: lookups return ``LookupResult``; ``prepare_store`` returns
 None when the tier has no free or evictable slot; ``prepare_load`` returns
 None when a key is not READY.
 
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 from cachetools import LRUCache
 
@@ -45,7 +45,7 @@ from kvtier.ids import EngineBlockHash, RequestKey
 from kvtier.tier.accounting import TierStats
 
 
-class Lookup(str, Enum):
+class LookupResult(str, Enum):
     MISS = "miss"
     HIT = "hit"
     HIT_PENDING = "hit_pending"  # being stored; not loadable yet
@@ -99,7 +99,7 @@ class TierEvent:
     metas: tuple[BlockMeta, ...] = ()
 
 
-class Tier(Protocol):
+class TierManager(Protocol):
     """The interface every tier manager implements (see tests/unit/test_host_tier.py)."""
 
     @property
@@ -108,7 +108,7 @@ class Tier(Protocol):
     def capacity_bytes(self) -> int: ...
     @property
     def stats(self) -> TierStats: ...
-    def lookup(self, key: RequestKey) -> Lookup: ...
+    def lookup(self, key: RequestKey) -> LookupResult: ...
     def lookup_prefix(self, keys: Sequence[RequestKey]) -> int: ...
     def prepare_store(self, keys: Sequence[RequestKey],
                       metas: Sequence[BlockMeta] | None = None) -> StoreJob | None: ...
@@ -149,7 +149,7 @@ class HostTier:
         self._stats = TierStats(self.slot_bytes_, clock=self.clock)
 
     @classmethod
-    def with_capacity(cls, capacity_bytes: int, slot_bytes: int, **kw) -> "HostTier":
+    def with_capacity(cls, capacity_bytes: int, slot_bytes: int, **kw: Any) -> "HostTier":
         n = capacity_bytes // slot_bytes
         if n <= 0:
             raise ValueError(
@@ -172,12 +172,12 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._ready)
 
-    def lookup(self, key: RequestKey) -> Lookup:
+    def lookup(self, key: RequestKey) -> LookupResult:
         if key in self._ready:
-            return Lookup.HIT
+            return LookupResult.HIT
         if key in self._pending:
-            return Lookup.HIT_PENDING
-        return Lookup.MISS
+            return LookupResult.HIT_PENDING
+        return LookupResult.MISS
 
     def lookup_prefix(self, keys: Sequence[RequestKey]) -> int:
         """Number of leading keys that are READY; touches them in LRU order."""
@@ -219,7 +219,7 @@ class HostTier:
             slot = self._alloc_slot()
             if slot is None:
                 self._stats.stores_refused += sum(
-                    1 for k2 in keys[i:] if self.lookup(k2) is Lookup.MISS)
+                    1 for k2 in keys[i:] if self.lookup(k2) is LookupResult.MISS)
                 break
             seen.add(k)
             e = _Entry(k, slot, metas[i] if metas is not None else BlockMeta())

@@ -54,7 +54,8 @@ class TierCollector(Collector):
         self.slot_bytes, self.capacity_bytes = slot_bytes, capacity_bytes
         self.labels = {"pod": pod, "model": model}
 
-    def _fam(self, cls, name: str, doc: str, value: float, **extra: str) -> Metric:
+    def _fam(self, cls: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str,
+             value: float, **extra: str) -> Metric:
         labels = {**self.labels, **extra}
         fam = cls(PREFIX + name, doc, labels=list(labels))
         fam.add_metric(list(labels.values()), value)

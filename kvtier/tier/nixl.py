@@ -4,7 +4,7 @@
 a peer's pool into slots of its own. One descriptor per slot; a READ of many
 slots is one NIXL transfer.
 
-Facts this relies on (see shared/FACTS.md): UCX READ DRAM->DRAM between two
+Facts this relies on (see docs/FACTS.md): UCX READ DRAM->DRAM between two
 processes works on 127.0.0.1; if a remote registers new memory after its
 metadata was loaded, transfers fail until the remote agent is re-added, so a
 peer is (re)added whenever its metadata bytes change.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.tier.pool import HostPool
 
@@ -30,8 +31,9 @@ class TransferError(RuntimeError):
 class NixlPool:
     pool: HostPool
     name: str
-    _agent: object = field(init=False, repr=False)
-    _reg: object = field(init=False, repr=False)
+    # NIXL's Python API is untyped; these are its agent and registration handles.
+    _agent: Any = field(init=False, repr=False)
+    _reg: Any = field(init=False, repr=False)
     _peers: dict[str, bytes] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:

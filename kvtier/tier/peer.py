@@ -1,11 +1,11 @@
 """Peer fetch: a consumer pulls prefix blocks from another instance's host tier.
 
-Side channel: ZMQ REQ/REP, msgspec messages. NIXL moves the bytes.
+Side channel: ZMQ REQ/REP, msgspec messages (``kvtier.wire.peer``). NIXL moves the bytes.
 
     consumer                          source (PeerServer)
     Hello(identity)          ->       compare model/block size/hash seed/layout
                              <-       Welcome(agent metadata, pool base) | Refused(reason)
-    Lookup(keys)             ->       n = READY prefix; pin keys[:n] (lease)
+    Hold(keys)               ->       n = READY prefix; pin keys[:n] (lease)
                              <-       Held(lease, slots)
     NIXL READ remote slots -> local slots (prepare_store / complete_store locally)
     Release(lease, ok)       ->       unpin (bytes counted as peer_out)
@@ -32,73 +32,32 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 
 from kvtier.ids import RequestKey
 from kvtier.tier.manager import BlockMeta, HostTier
 from kvtier.tier.nixl import NixlPool, TransferError
+from kvtier.wire.peer import (
+    Ack,
+    Held,
+    Hello,
+    Hold,
+    Identity,
+    Refused,
+    Release,
+    Reply,
+    Request,
+    Welcome,
+    decode_reply,
+    decode_request,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
 
-class Identity(msgspec.Struct, frozen=True):
-    """What must match for two tiers to exchange blocks."""
-
-    model: str
-    block_size: int
-    hash_seed: int
-    layout: str
-    slot_bytes: int
-
-    def mismatch(self, other: "Identity") -> str | None:
-        for f in ("model", "block_size", "hash_seed", "layout", "slot_bytes"):
-            if getattr(self, f) != getattr(other, f):
-                return f"{f} differs: {getattr(self, f)!r} != {getattr(other, f)!r}"
-        return None
-
-
-class Hello(msgspec.Struct, tag=True):
-    identity: Identity
-
-
-class Welcome(msgspec.Struct, tag=True):
-    agent_metadata: bytes
-    pool_base: int
-
-
-class Refused(msgspec.Struct, tag=True):
-    reason: str
-
-
-class Lookup(msgspec.Struct, tag=True):
-    keys: list[int]
-
-
-class Held(msgspec.Struct, tag=True):
-    lease: int  # 0: nothing pinned
-    slots: list[int]
-
-
-class Release(msgspec.Struct, tag=True):
-    lease: int
-    success: bool
-
-
-class Ack(msgspec.Struct, tag=True):
-    pass
-
-
-Request = Hello | Lookup | Release
-Reply = Welcome | Refused | Held | Ack
-
-_enc = msgspec.msgpack.Encoder()
-_dec_req = msgspec.msgpack.Decoder(Request)
-_dec_rep = msgspec.msgpack.Decoder(Reply)
-
-
 # How long after a peer's last request the server keeps driving NIXL progress (one cheap
-# call per millisecond): covers the UCX wire-up after Hello and the READ between Lookup and
+# call per millisecond): covers the UCX wire-up after Hello and the READ between Hold and
 # Release. Longer than any sane reader timeout (peer_timeout_s, default 5 s), which bounds
 # a READ on the reader's side.
 ACTIVE_WINDOW_S = 30.0
@@ -126,7 +85,7 @@ class PeerServer:
             if why is not None:
                 return Refused(why)
             return Welcome(self.nixl.metadata(), self.nixl.pool.base_address)
-        if isinstance(req, Lookup):
+        if isinstance(req, Hold):
             keys = [RequestKey(k) for k in req.keys]
             with self.lock:
                 n = self.tier.lookup_prefix(keys)
@@ -141,7 +100,7 @@ class PeerServer:
         raise TypeError(type(req))
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         try:
             sock = ctx.socket(zmq.REP)
             sock.bind(self.endpoint)
@@ -163,11 +122,11 @@ class PeerServer:
                 raw = sock.recv()
                 active_until = time.monotonic() + ACTIVE_WINDOW_S
                 try:
-                    reply: Reply = self.handle(_dec_req.decode(raw))
+                    reply: Reply = self.handle(decode_request(raw))
                 except Exception as e:  # a bad message must not kill the server
                     log.warning("peer server: bad request: %s", e)
                     reply = Refused(f"bad request: {e}")
-                sock.send(_enc.encode(reply))
+                sock.send(encode(reply))
         finally:
             sock.close(linger=0)
 
@@ -205,10 +164,10 @@ class PeerClient:
             self._socks[endpoint] = sock
         ok = False
         try:
-            sock.send(_enc.encode(msg))
+            sock.send(encode(msg))
             if not sock.poll(int(self.timeout_s * 1000)):
                 raise TimeoutError(f"peer {endpoint} did not answer in {self.timeout_s}s")
-            reply = _dec_rep.decode(sock.recv())
+            reply = decode_reply(sock.recv())
             ok = True
             return reply
         finally:
@@ -246,7 +205,7 @@ class PeerClient:
                 assert isinstance(rep, Welcome)
                 peer = (self.nixl.add_peer(rep.agent_metadata), rep.pool_base)
                 self._peers[endpoint] = peer
-            held = self._call(endpoint, Lookup([int(k) for k in want]))
+            held = self._call(endpoint, Hold([int(k) for k in want]))
         except (TimeoutError, zmq.ZMQError) as e:
             self._peers.pop(endpoint, None)
             return self._fallback(f"unreachable: {e}", local)

@@ -1,4 +1,4 @@
-"""The indexer's own wire messages (HTTP API in INTERFACES.md), as msgspec structs.
+"""The indexer's own wire messages (HTTP API in docs/INTERFACES.md), as msgspec structs.
 
 msgspec validates while it decodes (types, ranges, required fields) and
 names the offending path in its error (``Expected `int`, got `str` - at

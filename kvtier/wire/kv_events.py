@@ -21,7 +21,10 @@ an older one that lacks some, degrades (unknown event kinds are counted and
 skipped) instead of crashing the daemon. Anything that cannot be read raises
 ``MalformedFrame``; the subscriber counts it and moves on.
 
-Threading model: pure functions, no shared state.
+Encoding (``StoredOut``, ``RemovedOut``, ``ClearedOut`` in a ``BatchOut``) mirrors vLLM's own
+structs, so the host tier's events read exactly like an engine's.
+
+Threading model: pure functions and immutable structs, no shared state.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from typing import Any
 import msgspec
 
 from kvtier.ids import EngineBlockHash
-from kvtier.tier.events import END_SEQ  # noqa: F401 - re-exported: the replay end marker
 
 _U64 = (1 << 64) - 1
+END_SEQ = _U64  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
 
 _decode = msgspec.msgpack.Decoder().decode
 
@@ -219,3 +222,39 @@ def encode_batch(events: list[dict], ts: float = 0.0, dp_rank: int | None = 0) -
 
 def encode_frames(topic: str, seq: int, events: list[dict]) -> list[bytes]:
     return [topic.encode(), seq.to_bytes(8, "big"), encode_batch(events)]
+
+
+# ---- encoding: what kvtier's host tier publishes ----------------------------------------
+
+
+
+class EventOut(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Encoder side: the structs kvtier's host tier publishes (vLLM's own field order)."""
+
+    pass
+
+
+class StoredOut(EventOut, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    # Required (no default) as in vLLM, so they are always on the wire.
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class RemovedOut(EventOut, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class ClearedOut(EventOut, tag="AllBlocksCleared"):
+    pass
+
+
+class BatchOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[EventOut]
+    data_parallel_rank: int | None = None

@@ -10,8 +10,9 @@ import zmq
 
 from kvtier.ids import EngineBlockHash, RequestKey
 from kvtier.runtime import free_ports
-from kvtier.tier.events import END_SEQ, TierEventPublisher
+from kvtier.tier.events import TierEventPublisher
 from kvtier.tier.manager import BlockMeta, HostTier
+from kvtier.wire.kv_events import END_SEQ
 
 pytestmark = pytest.mark.integration
 

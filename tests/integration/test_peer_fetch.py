@@ -20,7 +20,7 @@ KEYS = [RequestKey(1000 + i) for i in range(8)]
 
 
 def ident(block_size=32):
-    from kvtier.tier.peer import Identity
+    from kvtier.wire.peer import Identity
 
     return Identity("tiny", block_size, 0, "test-layout", SLOT)
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvtier.ids import RequestKey
 from kvtier.tier.faults import FaultyTier
-from kvtier.tier.manager import BlockMeta, HostTier, Lookup, TierEventKind
+from kvtier.tier.manager import BlockMeta, HostTier, LookupResult, TierEventKind
 
 SLOT = 1024
 
@@ -54,7 +54,7 @@ def store(t, keys):
 
 def test_empty_tier_misses(make):
     t = make(4)
-    assert t.lookup(RequestKey(1)) is Lookup.MISS
+    assert t.lookup(RequestKey(1)) is LookupResult.MISS
     assert t.lookup_prefix(K(1, 2)) == 0
     assert t.prepare_load(K(1)) is None
     assert t.capacity_bytes == 4 * SLOT
@@ -64,10 +64,10 @@ def test_two_phase_store_pending_then_hit(make):
     t = make(4)
     job = t.prepare_store(K(1, 2))
     assert len(set(job.slots)) == 2
-    assert t.lookup(RequestKey(1)) is Lookup.HIT_PENDING
+    assert t.lookup(RequestKey(1)) is LookupResult.HIT_PENDING
     assert t.prepare_load(K(1)) is None  # not loadable while pending
     t.complete_store(job.job_id, True)
-    assert t.lookup(RequestKey(1)) is Lookup.HIT
+    assert t.lookup(RequestKey(1)) is LookupResult.HIT
     assert t.lookup_prefix(K(1, 2, 3)) == 2
     assert t.slot_of(RequestKey(2)) == job.slots[1]
 
@@ -76,7 +76,7 @@ def test_failed_store_frees_slots(make):
     t = make(2)
     job = t.prepare_store(K(1, 2))
     t.complete_store(job.job_id, False)
-    assert t.lookup(RequestKey(1)) is Lookup.MISS
+    assert t.lookup(RequestKey(1)) is LookupResult.MISS
     store(t, K(3, 4))  # both slots usable again
 
 
@@ -98,8 +98,8 @@ def test_lru_eviction_order_and_events(make):
     store(t, K(2))
     assert t.lookup_prefix(K(1)) == 1  # touch 1: 2 is now LRU
     store(t, K(3))
-    assert t.lookup(RequestKey(2)) is Lookup.MISS
-    assert t.lookup(RequestKey(1)) is Lookup.HIT
+    assert t.lookup(RequestKey(2)) is LookupResult.MISS
+    assert t.lookup(RequestKey(1)) is LookupResult.HIT
     kinds = [(e.kind, e.keys) for e in t.take_events()]
     assert (TierEventKind.REMOVED, (RequestKey(2),)) in kinds
     assert kinds[-1] == (TierEventKind.STORED, (RequestKey(3),))
@@ -113,7 +113,7 @@ def test_pinned_slot_survives_eviction_until_unpin(make):
     assert load.slots == first.slots
     # The only slot is pinned: it is evicted from the index but not reusable.
     assert t.prepare_store(K(2)) is None
-    assert t.lookup(RequestKey(1)) is Lookup.MISS
+    assert t.lookup(RequestKey(1)) is LookupResult.MISS
     t.complete_load(load.job_id, True)
     job = t.prepare_store(K(2))
     assert job is not None and job.slots == first.slots
@@ -167,7 +167,7 @@ def test_clear_and_metadata_in_events(make):
     ev = t.take_events()
     assert ev[0].metas == (meta,)
     t.clear()
-    assert t.lookup(RequestKey(7)) is Lookup.MISS
+    assert t.lookup(RequestKey(7)) is LookupResult.MISS
     assert t.take_events()[-1].kind is TierEventKind.CLEARED
     assert t.stats.blocks_held == 0
 
@@ -180,4 +180,4 @@ def test_complete_is_idempotent(make):
     t.complete_load(load.job_id, True)
     t.complete_load(load.job_id, True)
     assert t.prepare_store(K(2)) is not None
-    assert t.lookup(RequestKey(1)) is Lookup.HIT
+    assert t.lookup(RequestKey(1)) is LookupResult.HIT
