@@ -5,6 +5,12 @@ run it in-process); ``kvtier router`` serves it with uvicorn. Routes:
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /healthz``, ``GET /metrics``.
 
+Completions answers carry the router's reuse decision (``legs.ReuseReport``) as
+response headers: ``x-kvtier-reuse: PATH; tokens=N`` (PATH a ``ReusePath``, N the
+prompt tokens the prefill leg was to reuse from it) and ``x-kvtier-outcome:
+OUTCOME`` (an ``Outcome``: what became of the conversation's retained device
+KV). Error answers carry them when a prefill leg had answered before the error.
+
 Every client error is a 4xx with an OpenAI-style ``{"error": {...}}`` body;
 engine 4xx answers are relayed; only upstream failures the router cannot
 recover from become 502/503. A client that disconnects cancels the upstream
@@ -24,15 +30,20 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.router.config import RouterConfig
-from kvtier.router.flow import EngineClientError, Reply, Router, UpstreamError, tenant_of
+from kvtier.router.flow import Reply, Router, tenant_of
+from kvtier.router.legs import EngineClientError, UpstreamError
+from kvtier.router.metrics import RouterMetrics
 from kvtier.router.requests import BadRequest, Endpoint, parse_inbound, strip_headers
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvtier.wire.reuse_headers import ReuseReport
 
 log = logging.getLogger("kvtier.router")
 
@@ -44,7 +55,7 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
     router = Router(config, transport=transport)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if health_checks:
             await router.start()
         try:
@@ -67,9 +78,10 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             return tenant_of(token)
         return None
 
-    def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    def error(status: int, message: str, kind: str = "invalid_request_error",
+              reuse: ReuseReport | None = None) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                            status_code=status)
+                            status_code=status, headers=_reuse_headers(reuse))
 
     async def serve(request: Request, endpoint: Endpoint) -> Response:
         t0 = time.perf_counter()
@@ -101,12 +113,13 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             reply = await _until_disconnect(request, task)
         except EngineClientError as e:
             m.requests.labels(endpoint.value, str(e.status)).inc()
-            return JSONResponse(e.body, status_code=e.status)
+            return JSONResponse(e.body, status_code=e.status, headers=_reuse_headers(e.reuse))
         except UpstreamError as e:
             m.requests.labels(endpoint.value, "502").inc()
             log.error("request failed", extra={"request_id": rid,
                       "conversation_id": inb.conversation, "error": str(e)})
-            return error(502, f"no engine could serve the request: {e}", "upstream_error")
+            return error(502, f"no engine could serve the request: {e}", "upstream_error",
+                         e.reuse)
         if reply is None:
             m.client_disconnects.inc()
             m.requests.labels(endpoint.value, "499").inc()
@@ -119,10 +132,12 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             m.e2e.labels(endpoint.value, stream_label).observe(dt)
             m.requests.labels(endpoint.value, str(reply.status)).inc()
             log.info("served", extra={**fields, "ms": round(dt * 1e3, 2)})
-            return JSONResponse(reply.json, status_code=reply.status)
-        return StreamingResponse(_timed(reply, m, endpoint, stream_label, t0, fields),
+            return JSONResponse(reply.json, status_code=reply.status,
+                                headers=_reuse_headers(reply.reuse))
+        return StreamingResponse(_timed(reply.stream, m, endpoint, stream_label, t0, fields),
                                  media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+                                 headers={"cache-control": "no-cache",
+                                          **_reuse_headers(reply.reuse)})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -166,15 +181,20 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
     return app
 
 
-async def _until_disconnect(request: Request, task: asyncio.Future) -> Reply | None:
+def _reuse_headers(reuse: ReuseReport | None) -> dict[str, str]:
+    return reuse.headers() if reuse is not None else {}
+
+
+async def _until_disconnect(request: Request, task: asyncio.Future[Reply]) -> Reply | None:
     """Await ``task``; cancel it (and the engine call under it) if the client leaves."""
     async def watch() -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(0.05)
 
     watcher = asyncio.ensure_future(watch())
+    both: set[asyncio.Future[Any]] = {task, watcher}
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
         raise
@@ -188,12 +208,12 @@ async def _until_disconnect(request: Request, task: asyncio.Future) -> Reply | N
     return None
 
 
-async def _timed(reply: Reply, m: Any, endpoint: Endpoint, stream_label: str, t0: float,
-                 fields: dict) -> Any:
+async def _timed(stream: AsyncIterator[bytes], m: RouterMetrics, endpoint: Endpoint,
+                 stream_label: str, t0: float, fields: dict[str, Any]) -> AsyncIterator[bytes]:
     first = True
     status = "200"
     try:
-        async for chunk in reply.stream:  # type: ignore[union-attr]
+        async for chunk in stream:
             if first:
                 m.ttft.labels(endpoint.value, stream_label).observe(time.perf_counter() - t0)
                 first = False
@@ -207,7 +227,7 @@ async def _timed(reply: Reply, m: Any, endpoint: Endpoint, stream_label: str, t0
         m.e2e.labels(endpoint.value, stream_label).observe(dt)
         m.requests.labels(endpoint.value, status).inc()
         log.info("served", extra={**fields, "ms": round(dt * 1e3, 2)})
-        aclose = getattr(reply.stream, "aclose", None)
+        aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):
                 await aclose()

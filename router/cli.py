@@ -14,6 +14,10 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the router's modules load only when `kvtier router` runs
+    from kvtier.router.config import RouterConfig
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -46,15 +50,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--decode-kv-ttl", type=float, default=None, dest="decode_kv_ttl_s",
                     help="the decode nodes' decoder_kv_blocks_ttl in seconds")
     ap.add_argument("--stream-capture", choices=["buffered", "passthrough"], default=None)
+    ap.add_argument("--cost-model", default=None, dest="cost_model", metavar="FILE",
+                    help="cost model JSON (kvtier calibrate --out): pick the reuse path per "
+                         "turn by expected TTFT and hand the prefill only that path's params")
     ap.set_defaults(func=run)
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
     from kvtier.router.config import RouterConfig, load_config
 
     overrides = {k: getattr(args, k) for k in (
         "prefill", "decode", "indexer", "host", "port", "api_keys", "block_size",
-        "decode_kv_ttl_s", "stream_capture")}
+        "decode_kv_ttl_s", "stream_capture", "cost_model")}
     if args.config:
         return load_config(args.config, **overrides)
     return RouterConfig.model_validate({k: v for k, v in overrides.items() if v is not None})

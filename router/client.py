@@ -16,6 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 import httpx
 
@@ -53,14 +54,14 @@ class Conversation:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "Conversation":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def send(self, new_ids: Sequence[int], max_tokens: int | None = None,
-             **extra) -> Turn:
+             **extra: Any) -> Turn:
         """Append ``new_ids`` to the history and run one turn."""
         prompt = [*self.history, *new_ids]
         body = {"model": self.model, "prompt": prompt, "temperature": 0,
@@ -94,7 +95,7 @@ class ChatConversation:
     def close(self) -> None:
         self._http.close()
 
-    def say(self, content: str, role: str = "user", **extra) -> str:
+    def say(self, content: str, role: str = "user", **extra: Any) -> str:
         self.messages.append({"role": role, "content": content})
         body = {"model": self.model, "messages": self.messages, "temperature": 0,
                 "max_tokens": self.max_tokens, **extra}

@@ -17,6 +17,8 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvtier.cost.config import resolve_config_path
+from kvtier.cost.model import CostModel
 from kvtier.ids import PodId, Role
 
 _ALIASES = {
@@ -48,14 +50,14 @@ class InstanceConfig(BaseModel):
 class Timeouts(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    connect_s: float = Field(2.0, gt=0)
+    connect_s: float = Field(default=2.0, gt=0)
     # Whole prefill leg (one forward pass plus an optional D->P read).
-    prefill_s: float = Field(60.0, gt=0)
+    prefill_s: float = Field(default=60.0, gt=0)
     # Gap between two bytes from a decode leg (and the first byte).
-    decode_idle_s: float = Field(120.0, gt=0)
-    tokenize_s: float = Field(10.0, gt=0)
-    indexer_s: float = Field(0.25, gt=0)
-    health_s: float = Field(5.0, gt=0)
+    decode_idle_s: float = Field(default=120.0, gt=0)
+    tokenize_s: float = Field(default=10.0, gt=0)
+    indexer_s: float = Field(default=0.25, gt=0)
+    health_s: float = Field(default=5.0, gt=0)
 
 
 class RouterConfig(BaseModel):
@@ -85,6 +87,11 @@ class RouterConfig(BaseModel):
     #   captured, the next turn relies on the prefill's own cache / peers.
     stream_capture: Literal["buffered", "passthrough"] = "buffered"
     min_cached_token_delta: int = Field(0, ge=0)
+    # A cost model (the JSON `kvtier calibrate --out` writes). With one, the router picks the
+    # reuse path per turn by expected TTFT (kvtier.cost.decide, the decision the
+    # CostAwareConnector and the simulator make) and hands the prefill only that path's
+    # params; without one, it hands over every path it has and the engine's connector picks.
+    cost_model: CostModel | None = None
     # Indexer pod namespace: model name the indexer knows; None = request's model.
     indexer_model: str | None = None
     health_interval_s: float = Field(2.0, gt=0)
@@ -100,6 +107,14 @@ class RouterConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         data = {(_ALIASES.get(k, k)): v for k, v in data.items()}
+        if isinstance(data.get("cost_model"), (str, Path)):
+            f = resolve_config_path(data["cost_model"])
+            try:
+                data["cost_model"] = json.loads(f.read_text())
+            except OSError as e:
+                raise ValueError(f"cost_model: cannot read {f}: {e.strerror}") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"cost_model: {f} is not JSON ({e})") from None
         insts = list(data.pop("instances", []) or [])
         for role in ("prefill", "decode"):
             for i, item in enumerate(data.pop(role, []) or []):
@@ -111,7 +126,7 @@ class RouterConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> "RouterConfig":
+    def _check(self) -> RouterConfig:
         names = [i.name for i in self.instances]
         if len(set(names)) != len(names):
             raise ValueError(f"instance names must be unique: {names}")
@@ -144,6 +159,7 @@ def load_config(path: str | Path, **overrides: Any) -> RouterConfig:
 
         raw = yaml.safe_load(text) or {}
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: top level must be a mapping")
+        # ValueError, not TypeError: the CLI reports ValueErrors as a bad configuration.
+        raise ValueError(f"{path}: top level must be a mapping")  # noqa: TRY004
     raw.update({k: v for k, v in overrides.items() if v is not None})
     return RouterConfig.model_validate(raw)

@@ -1,4 +1,4 @@
-"""Async client for the kvtier indexer's HTTP API (INTERFACES.md).
+"""Async client for the kvtier indexer's HTTP API (docs/INTERFACES.md).
 
 ``POST /v1/lookup`` -> cached prefix length per pod (KV-aware choice).
 ``POST /v1/source`` -> a peer host tier to pull a prefix from (P2P).
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -61,7 +62,7 @@ class IndexerClient:
         self._client = client
         self._timeout = timeout_s
 
-    async def _post(self, path: str, body: dict) -> dict | None:
+    async def _post(self, path: str, body: dict[str, object]) -> dict[str, Any] | None:
         try:
             r = await self._client.post(f"{self.url}{path}", json=body, timeout=self._timeout)
         except httpx.HTTPError as e:
@@ -94,7 +95,8 @@ class IndexerClient:
     async def source(self, model: str, token_ids: Sequence[int], target: PodId,
                      min_delta: int, block_size: int) -> tuple[bool, RemoteKVSource | None]:
         """(answered, source): a peer to pull from for ``target``, if worth it."""
-        body = {"model": model, "token_ids": list(token_ids), "target_pod": target}
+        body: dict[str, object] = {"model": model, "token_ids": list(token_ids),
+                                   "target_pod": target}
         if min_delta:
             body["min_cached_token_delta"] = min_delta
         raw = await self._post("/v1/source", body)

@@ -24,9 +24,12 @@ class RouterMetrics:
                               ["endpoint", "stream"], buckets=_LAT_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_seconds", "Request latency, first byte in to last byte out",
                              ["endpoint", "stream"], buckets=_LAT_BUCKETS, registry=r)
+        # kvtier_router_reuse_total{path}: path is a kvtier.ids.ReusePath value. Requests
+        # served in direct mode count as "none" (no prefill leg reused anything for them).
         self.reuse = Counter(p + "reuse", "Prefill legs by planned KV reuse path "
                              "(dp_read: D->P read of the last turn, p2p: peer host tier, "
-                             "local: prefill's own cache per indexer, none)", ["path"], registry=r)
+                             "local: prefill's own cache per indexer, none; direct mode: none)",
+                             ["path"], registry=r)
         self.reused_tokens = Counter(p + "reused_tokens", "Tokens of D's KV handed to prefills",
                                      registry=r)
         self.params_dropped = Counter(p + "params_dropped", "Retained decode params not used",

@@ -3,63 +3,59 @@
     with RouterServer(config) as srv:
         openai.OpenAI(base_url=srv.url + "/v1", api_key="x")...
 
+The thread, the uvicorn server and the start/stop protocol are the shared
+``kvtier.runtime.ServerThread``; this only builds the app and picks the port.
+
 Threading model: uvicorn runs its own event loop in one daemon thread; the
 caller only reads ``url`` and ``app`` and calls ``stop()`` (idempotent).
 """
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
+from typing import Self
 
 import httpx
-import uvicorn
+from fastapi import FastAPI
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
+from kvtier.router.flow import Router
+
+from kvtier.runtime import ServerThread, free_ports
+
+# The CLI's default port: an in-process router is never meant to take it.
+_DEFAULT_PORT = 8000
 
 
 class RouterServer:
     def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None,
-                 health_checks: bool = True):
+                 health_checks: bool = True) -> None:
         port = config.port
-        if port == 0 or port == 8000:
-            s = socket.socket()
-            s.bind((config.host, 0))
-            port = s.getsockname()[1]
-            s.close()
+        if port in (0, _DEFAULT_PORT):
+            port = free_ports(1)[0]
+        # The app is built with the port it will really serve on.
         self.config = config.model_copy(update={"port": port})
-        self.app = create_app(self.config, transport=transport, health_checks=health_checks)
-        self._server = uvicorn.Server(uvicorn.Config(
-            self.app, host=self.config.host, port=port, log_level="warning",
-            access_log=False, lifespan="on"))
-        self._thread = threading.Thread(target=self._server.run, name="kvtier-router",
-                                        daemon=True)
+        self.app: FastAPI = create_app(self.config, transport=transport,
+                                       health_checks=health_checks)
+        self._thread = ServerThread(self.app, self.config.host, port, name="kvtier-router")
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.config.port}"
+        return self._thread.url
 
     @property
-    def router(self):
-        return self.app.state.router
+    def router(self) -> Router:
+        router: Router = self.app.state.router
+        return router
 
-    def start(self, timeout_s: float = 30.0) -> "RouterServer":
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("router server did not start")
-            time.sleep(0.02)
+    def start(self, timeout_s: float = 30.0) -> Self:
+        self._thread.start(timeout_s)
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        self._thread.stop()
 
-    def __enter__(self) -> "RouterServer":
+    def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -15,33 +15,29 @@ ids against ``covered``. Only a proven common prefix is reused, trimmed to
 whole blocks; anything else is dropped, because vLLM would load KV computed for
 different tokens (vLLM issue #43094).
 
+The store itself is cachetools' ``TLRUCache`` (each entry expires at its own
+``expires_at``, least recently stored goes first, sized in bytes) plus an entry
+count cap; it remembers which conversations expired so ``take`` can say so.
+
 Threading model: one asyncio event loop owns a store; methods never await and
-are not thread-safe. Expired entries are purged lazily on every put/take.
+are not thread-safe. Expired entries are purged lazily on every access.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from typing import cast
 
 import numpy as np
+from cachetools import LRUCache, TLRUCache
 
 from kvtier.hashing import token_digest
-from kvtier.ids import ConversationId, PodId
+from kvtier.ids import ConversationId, Outcome, PodId
 from kvtier.transfer_params import NixlParams
 
 _ENTRY_OVERHEAD_BYTES = 512  # params, keys, bookkeeping; a rough, conservative figure
-
-
-class ReuseOutcome(str, Enum):
-    FULL = "full"          # new prompt starts with everything D holds
-    TRIMMED = "trimmed"    # only a block-aligned common prefix is reused
-    STALE = "stale"        # history edited before the first full block: dropped
-    EXPIRED = "expired"    # entry past its TTL: dropped
-    NONE = "none"          # nothing retained for this conversation
 
 
 @dataclass(frozen=True)
@@ -58,7 +54,7 @@ class RetainedKV:
 
     @classmethod
     def build(cls, conversation: ConversationId, tenant: str, decode_pod: PodId,
-              params: NixlParams, token_ids: Sequence[int], expires_at: float) -> "RetainedKV":
+              params: NixlParams, token_ids: Sequence[int], expires_at: float) -> RetainedKV:
         # D computed KV for remote_num_tokens tokens (the last sampled token never
         # went through the model); cover exactly those.
         n = len(token_ids)
@@ -66,7 +62,7 @@ class RetainedKV:
             n = min(n, params.remote_num_tokens)
         covered = np.asarray(token_ids[:n], dtype=np.uint32)
         return cls(conversation, tenant, decode_pod, params, covered,
-                   token_digest(covered), expires_at)
+                   token_digest(_as_ids(covered)), expires_at)
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +71,7 @@ class RetainedKV:
 
 @dataclass(frozen=True)
 class ReuseDecision:
-    outcome: ReuseOutcome
+    outcome: Outcome
     params: NixlParams | None  # what to hand the prefill (None: nothing)
     reused_tokens: int  # tokens of D's KV the prefill may read
 
@@ -85,12 +81,12 @@ def prove_prefix(retained: RetainedKV, prompt_ids: Sequence[int], block_size: in
     covered = retained.covered
     n = len(covered)
     if n == 0 or not retained.params.has_remote_blocks:
-        return ReuseDecision(ReuseOutcome.STALE, None, 0)
+        return ReuseDecision(Outcome.STALE, None, 0)
     prompt = np.asarray(prompt_ids, dtype=np.int64)
     if len(prompt) >= n and np.array_equal(prompt[:n], covered) \
-            and token_digest(prompt[:n]) == retained.digest:
+            and token_digest(_as_ids(prompt[:n])) == retained.digest:
         if len(prompt) > n:
-            return ReuseDecision(ReuseOutcome.FULL, retained.params, n)
+            return ReuseDecision(Outcome.FULL, retained.params, n)
         # The new prompt IS the covered sequence (nothing new to compute): the
         # engine must still run the last token, so keep whole blocks before it.
         common = n - 1
@@ -98,8 +94,8 @@ def prove_prefix(retained: RetainedKV, prompt_ids: Sequence[int], block_size: in
         common = _common_prefix(covered, prompt)
     trimmed = retained.params.trimmed(common, block_size)
     if trimmed is None:
-        return ReuseDecision(ReuseOutcome.STALE, None, 0)
-    return ReuseDecision(ReuseOutcome.TRIMMED, trimmed, trimmed.remote_num_tokens or 0)
+        return ReuseDecision(Outcome.STALE, None, 0)
+    return ReuseDecision(Outcome.TRIMMED, trimmed, trimmed.remote_num_tokens or 0)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -110,73 +106,110 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def _as_ids(a: np.ndarray) -> Sequence[int]:
+    # token_digest packs any sequence of ints, arrays included; only its annotation is narrower.
+    return cast(Sequence[int], a)
+
+
+_Key = tuple[str, ConversationId]
+
+
+def _expiry(_key: _Key, entry: RetainedKV, _now: float) -> float:
+    return entry.expires_at
+
+
+def _size(entry: RetainedKV) -> int:
+    return entry.nbytes
+
+
+class _Entries(TLRUCache[_Key, RetainedKV]):
+    """cachetools' TLRU cache counting what it evicts and expires.
+
+    cachetools purges expired entries on every write and on every read of ``len`` or
+    ``currsize`` (the gauges read both), so which call drops an entry is an accident;
+    ``expired_keys`` remembers the keys it dropped so ``take`` can still tell the client's
+    next turn "expired" rather than "nothing retained"."""
+
+    def __init__(self, max_entries: int, max_bytes: int, clock: Callable[[], float]) -> None:
+        super().__init__(max_bytes, _expiry, clock, _size)
+        # Bounded like the entries: a key is forgotten after max_entries later expiries.
+        self.expired_keys: LRUCache[_Key, bool] = LRUCache(max_entries)
+        self.evicted = 0
+        self.expired = 0
+
+    def expire(self, time: float | None = None) -> list[tuple[_Key, RetainedKV]]:
+        gone = super().expire(time)
+        self.expired += len(gone)
+        for key, _ in gone:
+            self.expired_keys[key] = True
+        return gone
+
+    def popitem(self) -> tuple[_Key, RetainedKV]:
+        # cachetools evicts through popitem, and only the store calls it otherwise.
+        item = super().popitem()
+        self.evicted += 1
+        return item
+
 
 class ConversationStore:
     """Single-use, TTL'd, LRU, memory-capped map (tenant, conversation) -> RetainedKV."""
 
     def __init__(self, max_entries: int, max_bytes: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._clock = clock
-        self._entries: OrderedDict[tuple[str, ConversationId], RetainedKV] = OrderedDict()
-        self._bytes = 0
-        self.evicted = 0
-        self.expired = 0
+        self._entries = _Entries(max_entries, max_bytes, clock)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return int(self._entries.currsize)
+
+    @property
+    def evicted(self) -> int:
+        """Entries pushed out by the entry or byte cap."""
+        return self._entries.evicted
+
+    @property
+    def expired(self) -> int:
+        """Entries dropped past their expiry."""
+        return self._entries.expired
 
     def put(self, entry: RetainedKV) -> bool:
-        """Store (replacing any older entry); False if it alone exceeds the cap."""
+        """Store (replacing any older entry); False if it alone exceeds the byte cap (or
+        has already expired)."""
         if entry.nbytes > self.max_bytes:
             return False
         key = (entry.tenant, entry.conversation)
-        self._drop(key)
-        self._purge_expired()
-        while self._entries and (len(self._entries) >= self.max_entries
-                                 or self._bytes + entry.nbytes > self.max_bytes):
-            _, old = self._entries.popitem(last=False)
-            self._bytes -= old.nbytes
-            self.evicted += 1
-        self._entries[key] = entry
-        self._bytes += entry.nbytes
-        return True
+        entries = self._entries
+        with entries.timer:  # one instant for the whole update
+            entries.expire()
+            entries.pop(key, None)
+            entries.expired_keys.pop(key, None)
+            # The byte cap is the cache's own; the entry cap is this loop.
+            while len(entries) >= self.max_entries:
+                entries.popitem()
+            entries[key] = entry
+            return key in entries
 
     def take(self, tenant: str, conversation: ConversationId) -> tuple[RetainedKV | None, bool]:
         """Remove and return the entry: (entry, expired). Single use."""
-        entry = self._drop((tenant, conversation))
-        if entry is None:
-            return None, False
-        if entry.expires_at <= self._clock():
-            self.expired += 1
-            return None, True
-        return entry, False
+        key = (tenant, conversation)
+        entries = self._entries
+        with entries.timer:
+            entries.expire()
+            entry = entries.pop(key, None)
+        if entry is not None:
+            return entry, False
+        return None, entries.expired_keys.pop(key, False)
 
     def discard_pod(self, pod: PodId) -> int:
         """Forget every entry held by a pod (it died: its KV is gone)."""
-        keys = [k for k, e in self._entries.items() if e.decode_pod == pod]
-        for k in keys:
-            self._drop(k)
+        entries = self._entries
+        with entries.timer:
+            keys = [k for k, e in entries.items() if e.decode_pod == pod]
+            for k in keys:
+                del entries[k]
         return len(keys)
-
-    def _drop(self, key: tuple[str, ConversationId]) -> RetainedKV | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._bytes -= entry.nbytes
-        return entry
-
-    def _purge_expired(self) -> None:
-        now = self._clock()
-        # Entries are stored in insertion order with one TTL, so expired ones
-        # sit at the front; stop at the first live one.
-        while self._entries:
-            key, entry = next(iter(self._entries.items()))
-            if entry.expires_at > now:
-                break
-            self._drop(key)
-            self.expired += 1

@@ -1,17 +1,23 @@
-"""The router's HTTP surface over real sockets, with no engine behind it.
+"""The router's HTTP surface over real sockets, with no real engine behind it.
 
 Auth, malformed bodies, health reporting and the 502 for "no engine could
-serve" need no vLLM: engines are unreachable ports here.
+serve" need no vLLM: engines are unreachable ports here. The reuse headers and
+the reuse counter are checked against fake engines (tests/unit/router_fakes.py)
+reached through the router's upstream transport.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
+
+from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +31,7 @@ def dead_url() -> str:
 
 
 @pytest.fixture(scope="module")
-def srv():
+def srv() -> Iterator[RouterServer]:
     cfg = RouterConfig.model_validate({
         "prefill": [dead_url()], "decode": [dead_url()], "port": 0, "log_json": False,
         "api_keys": ["sk-a", "sk-b"], "max_body_bytes": 4096, "health_interval_s": 0.2,
@@ -34,16 +40,17 @@ def srv():
         yield s
 
 
-def post(srv, path, body=None, key="sk-a", content=None):
+def post(srv: RouterServer, path: str, body: dict[str, Any] | None = None,
+         key: str | None = "sk-a", content: bytes | None = None) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     return httpx.post(srv.url + path, json=body, content=content, headers=headers, timeout=30)
 
 
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+CHAT: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("key", [None, "sk-wrong", ""])
-def test_auth_required(srv, key):
+def test_auth_required(srv: RouterServer, key: str | None) -> None:
     r = post(srv, "/v1/chat/completions", CHAT, key=key)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(srv.url + "/v1/models").status_code == 401
@@ -53,18 +60,20 @@ def test_auth_required(srv, key):
     (b"{not json", 400), (b"[1,2]", 400), (b"\xff\xfe", 400), (b"x" * 5000, 413),
     (b'{"model": "tiny"}', 400), (b"[" * 3000 + b"]" * 3000, 413),
 ])
-def test_malformed_bodies_are_4xx(srv, content, status):
+def test_malformed_bodies_are_4xx(srv: RouterServer, content: bytes, status: int) -> None:
     r = post(srv, "/v1/completions", content=content)
     assert r.status_code == status
     assert r.json()["error"]["code"] == status
 
 
-def test_no_engine_reachable_is_502_not_500(srv):
+def test_no_engine_reachable_is_502_not_500(srv: RouterServer) -> None:
     r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 4})
     assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+    # No prefill answered: there is no reuse decision to report.
+    assert "x-kvtier-reuse" not in r.headers and "x-kvtier-outcome" not in r.headers
 
 
-def test_healthz_and_metrics(srv):
+def test_healthz_and_metrics(srv: RouterServer) -> None:
     import time
 
     deadline = time.monotonic() + 10
@@ -78,3 +87,34 @@ def test_healthz_and_metrics(srv):
     text = httpx.get(srv.url + "/metrics").text
     assert "kvtier_router_requests_total" in text
     assert 'kvtier_router_instance_healthy{instance="decode-0",role="decode"} 0.0' in text
+
+
+@pytest.mark.parametrize("port", [0, 8000])
+def test_port_0_or_the_cli_default_picks_a_free_port(port: int) -> None:
+    cfg = RouterConfig.model_validate({"decode": [dead_url()], "port": port, "log_json": False})
+    srv = RouterServer(cfg, health_checks=False)
+    assert srv.config.port not in (0, 8000) and srv.url.endswith(f":{srv.config.port}")
+    with srv:
+        assert httpx.get(srv.url + "/healthz").status_code in (200, 503)
+    srv.stop()  # idempotent
+
+
+def test_reuse_headers_and_counter_over_http() -> None:
+    cfg = RouterConfig.model_validate({"prefill": [P_URL], "decode": [D_URL], "port": 0,
+                                       "log_json": False, "block_size": BLOCK_SIZE})
+    prompt = list(range(1, 11))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "conversation_id": "c"}
+    with RouterServer(cfg, transport=FakeEngines(), health_checks=False) as srv:
+        first = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+        assert first.status_code == 200
+        assert first.headers["x-kvtier-reuse"] == "none; tokens=0"
+        assert first.headers["x-kvtier-outcome"] == "none"
+        nxt = {**body, "prompt": [*prompt, *GEN, 7], "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=nxt, timeout=30) as r:
+            assert r.status_code == 200
+            assert r.headers["x-kvtier-reuse"] == f"dp_read; tokens={len(prompt) + 2}"
+            assert r.headers["x-kvtier-outcome"] == "full"
+            assert b"".join(r.iter_bytes()).endswith(b"data: [DONE]\n\n")
+        text = httpx.get(srv.url + "/metrics").text
+    assert 'kvtier_router_reuse_total{path="dp_read"} 1.0' in text
+    assert 'kvtier_router_reuse_total{path="none"} 1.0' in text

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvtier.router.store import ConversationStore, RetainedKV, ReuseOutcome, prove_prefix
+from kvtier.router.store import ConversationStore, RetainedKV, prove_prefix
 
-from kvtier.ids import ConversationId, PodId
+from kvtier.ids import ConversationId, Outcome, PodId
 from kvtier.transfer_params import NixlParams
 
 BS = 4
@@ -18,7 +18,8 @@ def params(num_tokens: int) -> NixlParams:
                       remote_port=5600, remote_num_tokens=num_tokens)
 
 
-def entry(ids, conv="c1", tenant="", pod="decode-0", expires=1e18, num_tokens=None):
+def entry(ids: list[int], conv: str = "c1", tenant: str = "", pod: str = "decode-0",
+          expires: float = 1e18, num_tokens: int | None = None) -> RetainedKV:
     n = len(ids) if num_tokens is None else num_tokens
     return RetainedKV.build(ConversationId(conv), tenant, PodId(pod), params(n), ids, expires)
 
@@ -26,73 +27,76 @@ def entry(ids, conv="c1", tenant="", pod="decode-0", expires=1e18, num_tokens=No
 IDS = list(range(1, 18))  # 17 tokens: 4 full blocks + 1
 
 
-def test_full_prefix_is_reused_whole():
+def test_full_prefix_is_reused_whole() -> None:
     d = prove_prefix(entry(IDS), IDS + [99, 98], BS)
-    assert d.outcome is ReuseOutcome.FULL
+    assert d.outcome is Outcome.FULL
     assert d.params is not None and d.params.remote_num_tokens == 17
     assert d.reused_tokens == 17
 
 
-def test_covered_stops_at_remote_num_tokens():
+def test_covered_stops_at_remote_num_tokens() -> None:
     # D computed only 16 of the 17 ids (last sampled token never ran).
     e = entry(IDS, num_tokens=16)
     assert len(e.covered) == 16
     d = prove_prefix(e, IDS[:16] + [5, 5], BS)
-    assert d.outcome is ReuseOutcome.FULL
+    assert d.outcome is Outcome.FULL
 
 
 @pytest.mark.parametrize("edit_at,keep_tokens", [(13, 12), (9, 8), (7, 4), (4, 4)])
-def test_edit_in_history_trims_to_whole_blocks_before_the_edit(edit_at, keep_tokens):
+def test_edit_in_history_trims_to_whole_blocks_before_the_edit(edit_at: int,
+                                                                keep_tokens: int) -> None:
     new = list(IDS)
     new[edit_at] = 1000
     d = prove_prefix(entry(IDS), new, BS)
-    assert d.outcome is ReuseOutcome.TRIMMED
+    assert d.outcome is Outcome.TRIMMED and d.params is not None
     assert d.params.remote_num_tokens == keep_tokens
     assert d.params.remote_block_ids == [list(range(100, 100 + keep_tokens // BS))]
 
 
 @pytest.mark.parametrize("edit_at", [0, 1, 3])
-def test_edit_in_first_block_drops_params(edit_at):
+def test_edit_in_first_block_drops_params(edit_at: int) -> None:
     new = list(IDS)
     new[edit_at] = 1000
     d = prove_prefix(entry(IDS), new, BS)
-    assert d.outcome is ReuseOutcome.STALE and d.params is None
+    assert d.outcome is Outcome.STALE and d.params is None
 
 
-def test_truncated_history_is_trimmed_to_the_shorter_prompt():
+def test_truncated_history_is_trimmed_to_the_shorter_prompt() -> None:
     d = prove_prefix(entry(IDS), IDS[:10], BS)
-    assert d.outcome is ReuseOutcome.TRIMMED
+    assert d.outcome is Outcome.TRIMMED and d.params is not None
     assert d.params.remote_num_tokens == 8
 
 
-def test_prompt_equal_to_covered_keeps_blocks_before_last_token():
+def test_prompt_equal_to_covered_keeps_blocks_before_last_token() -> None:
     ids = list(range(1, 17))  # exactly 4 blocks
     d = prove_prefix(entry(ids), ids, BS)
     # The engine must compute the last token itself: 3 blocks are reusable.
-    assert d.outcome is ReuseOutcome.TRIMMED and d.params.remote_num_tokens == 12
+    assert d.outcome is Outcome.TRIMMED and d.params is not None
+    assert d.params.remote_num_tokens == 12
 
 
-def test_retokenized_text_shares_only_prompt_part():
+def test_retokenized_text_shares_only_prompt_part() -> None:
     prompt, gen, retok = list(range(1, 9)), [50, 51, 52, 53, 54], [50, 5051, 52]
     d = prove_prefix(entry(prompt + gen), prompt + retok + [7, 7, 7], BS)
-    assert d.outcome is ReuseOutcome.TRIMMED and d.params.remote_num_tokens == 8
+    assert d.outcome is Outcome.TRIMMED and d.params is not None
+    assert d.params.remote_num_tokens == 8
 
 
-def test_params_without_blocks_are_never_reused():
+def test_params_without_blocks_are_never_reused() -> None:
     e = RetainedKV.build(ConversationId("c"), "", PodId("d"), NixlParams(remote_num_tokens=8),
                          IDS, 1e18)
-    assert prove_prefix(e, IDS + [1], BS).outcome is ReuseOutcome.STALE
+    assert prove_prefix(e, IDS + [1], BS).outcome is Outcome.STALE
 
 
 class Clock:
-    def __init__(self):
+    def __init__(self) -> None:
         self.t = 0.0
 
-    def __call__(self):
+    def __call__(self) -> float:
         return self.t
 
 
-def test_take_is_single_use_and_tenant_scoped():
+def test_take_is_single_use_and_tenant_scoped() -> None:
     s = ConversationStore(10, 1 << 20)
     s.put(entry(IDS, tenant="alice"))
     assert s.take("bob", ConversationId("c1")) == (None, False)
@@ -102,7 +106,7 @@ def test_take_is_single_use_and_tenant_scoped():
     assert len(s) == 0 and s.nbytes == 0
 
 
-def test_ttl_expires_on_router_clock():
+def test_ttl_expires_on_router_clock() -> None:
     clk = Clock()
     s = ConversationStore(10, 1 << 20, clock=clk)
     s.put(entry(IDS, expires=10.0))
@@ -111,7 +115,7 @@ def test_ttl_expires_on_router_clock():
     assert s.expired == 1
 
 
-def test_lru_by_entry_count():
+def test_lru_by_entry_count() -> None:
     s = ConversationStore(2, 1 << 20)
     for c in ("a", "b", "c"):
         s.put(entry(IDS, conv=c))
@@ -120,7 +124,7 @@ def test_lru_by_entry_count():
     assert s.evicted == 1
 
 
-def test_memory_cap_evicts_oldest_and_refuses_oversized():
+def test_memory_cap_evicts_oldest_and_refuses_oversized() -> None:
     one = entry(list(range(1000)))
     s = ConversationStore(100, 2 * one.nbytes + 10)
     for c in ("a", "b", "c"):
@@ -130,18 +134,61 @@ def test_memory_cap_evicts_oldest_and_refuses_oversized():
     assert not s.put(entry(list(range(10_000)), conv="huge"))
 
 
-def test_put_replaces_previous_entry_of_conversation():
+def test_put_replaces_previous_entry_of_conversation() -> None:
     s = ConversationStore(10, 1 << 20)
     s.put(entry(IDS))
     s.put(entry(IDS[:8]))
     assert len(s) == 1
-    assert len(s.take("", ConversationId("c1"))[0].covered) == 8
+    got, _ = s.take("", ConversationId("c1"))
+    assert got is not None and len(got.covered) == 8
 
 
-def test_discard_pod_forgets_its_entries():
+def test_discard_pod_forgets_its_entries() -> None:
     s = ConversationStore(10, 1 << 20)
     s.put(entry(IDS, conv="a", pod="d0"))
     s.put(entry(IDS, conv="b", pod="d1"))
     assert s.discard_pod(PodId("d0")) == 1
     assert s.take("", ConversationId("a"))[0] is None
     assert s.take("", ConversationId("b"))[0] is not None
+
+
+def test_expiry_is_reported_whichever_call_purged_the_entry() -> None:
+    # cachetools purges on any write and on len/size reads (the gauges): the next turn of
+    # the conversation must still learn its KV expired, once.
+    clk = Clock()
+    s = ConversationStore(10, 1 << 20, clock=clk)
+    s.put(entry(IDS, conv="a", expires=10.0))
+    clk.t = 11.0
+    assert len(s) == 0 and s.nbytes == 0
+    s.put(entry(IDS, conv="b", expires=20.0))
+    assert s.take("", ConversationId("a")) == (None, True)
+    assert s.take("", ConversationId("a")) == (None, False)
+    assert s.expired == 1 and s.evicted == 0
+
+
+def test_a_new_entry_replaces_the_expiry_of_the_old_one() -> None:
+    clk = Clock()
+    s = ConversationStore(10, 1 << 20, clock=clk)
+    s.put(entry(IDS, expires=10.0))
+    clk.t = 11.0
+    assert len(s) == 0
+    s.put(entry(IDS[:8], expires=20.0))
+    got, expired = s.take("", ConversationId("c1"))
+    assert got is not None and len(got.covered) == 8 and not expired
+    assert s.take("", ConversationId("c1")) == (None, False)
+
+
+def test_replacing_an_entry_is_not_an_eviction() -> None:
+    s = ConversationStore(2, 1 << 20)
+    s.put(entry(IDS, conv="a"))
+    s.put(entry(IDS, conv="b"))
+    s.put(entry(IDS[:8], conv="b"))
+    assert s.evicted == 0 and len(s) == 2
+
+
+def test_an_entry_expired_on_arrival_is_not_stored() -> None:
+    clk = Clock()
+    clk.t = 5.0
+    s = ConversationStore(10, 1 << 20, clock=clk)
+    assert not s.put(entry(IDS, expires=5.0))
+    assert len(s) == 0

@@ -1,0 +1,157 @@
+"""vLLM-shaped fake engines (and indexer) behind one httpx transport, for router tests.
+
+``FakeEngines`` answers what the router sends to a 1P1D-style bidirectional NIXL stack:
+prefill legs (``max_tokens=1``, ``do_remote_decode``) return P's block params, decode legs
+return the generated ids and D's retained-KV params, ``/tokenize`` tokenizes characters, and
+``/v1/lookup`` / ``/v1/source`` answer as the indexer was told to. Every engine call is kept
+in ``calls``; ``fail(url, ...)`` queues faults for the next completion calls to one engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+GEN = [901, 902, 903]  # what every decode generates
+BLOCK_SIZE = 4
+P_URL, P2_URL, D_URL, IDX_URL = ("http://p0.test:8001", "http://p1.test:8002",
+                                 "http://d0.test:8003", "http://idx.test:9000")
+
+Fault = str | int  # "connect" | "timeout" | an HTTP status
+
+
+@dataclass
+class Call:
+    url: str  # scheme://host:port of the engine
+    path: str
+    body: dict[str, Any]
+
+    @property
+    def kvp(self) -> dict[str, Any]:
+        kvp: dict[str, Any] = self.body.get("kv_transfer_params") or {}
+        return kvp
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.body.get("max_tokens") == 1 and bool(self.kvp.get("do_remote_decode"))
+
+
+@dataclass
+class FakeEngines(httpx.AsyncBaseTransport):
+    calls: list[Call] = field(default_factory=list)
+    faults: dict[str, list[Fault]] = field(default_factory=dict)
+    lookup: list[dict[str, Any]] = field(default_factory=list)  # indexer "matches"
+    source: dict[str, Any] | None = None  # indexer "source"
+
+    def fail(self, url: str, *faults: Fault) -> None:
+        self.faults.setdefault(url, []).extend(faults)
+
+    def completions(self, url: str | None = None) -> list[Call]:
+        return [c for c in self.calls if c.path.endswith("completions")
+                and (url is None or c.url == url)]
+
+    def prefills(self) -> list[Call]:
+        return [c for c in self.completions() if c.is_prefill]
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        path = request.url.path
+        raw = await request.aread()
+        body: dict[str, Any] = json.loads(raw) if raw else {}
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/v1/lookup":
+            return httpx.Response(200, json={"block_size": BLOCK_SIZE, "matches": self.lookup})
+        if path == "/v1/source":
+            return httpx.Response(200, json={"source": self.source})
+        self.calls.append(Call(url, path, body))
+        if path == "/tokenize":
+            return httpx.Response(200, json={"tokens": _chat_ids(body)})
+        queued = self.faults.get(url)
+        if queued:
+            fault = queued.pop(0)
+            if fault == "connect":
+                raise httpx.ConnectError("refused", request=request)
+            if fault == "timeout":
+                raise httpx.ReadTimeout("timed out", request=request)
+            return httpx.Response(int(fault), json={"error": {"message": "injected"}})
+        return _answer(url, path, body)
+
+
+def _chat_ids(body: dict[str, Any]) -> list[int]:
+    return [ord(ch) for m in body.get("messages", []) for ch in str(m.get("content", ""))]
+
+
+def _prompt_ids(path: str, body: dict[str, Any]) -> list[int]:
+    if path.endswith("chat/completions"):
+        return list(body.get("kv_transfer_params", {}).get("prompt_token_ids")
+                    or _chat_ids(body))
+    p = body["prompt"]
+    return list(p) if isinstance(p, list) else [ord(ch) for ch in p]
+
+
+def _blocks(url: str, engine: str, n: int) -> dict[str, Any]:
+    return {"remote_block_ids": [list(range(100, 100 + -(-n // BLOCK_SIZE)))],
+            "remote_engine_id": engine, "remote_request_id": f"{engine}-req",
+            "remote_host": url.split("//")[1].split(":")[0], "remote_port": 5600,
+            "remote_num_tokens": n}
+
+
+def _answer(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    chat = path.endswith("chat/completions")
+    prompt = _prompt_ids(path, body)
+    prefill = body.get("max_tokens") == 1 and bool(
+        (body.get("kv_transfer_params") or {}).get("do_remote_decode"))
+    gen = GEN[:1] if prefill else GEN
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": "abc"}
+    else:
+        choice["text"] = "abc"
+    if body.get("return_token_ids"):
+        choice["token_ids"] = gen
+        if not chat:
+            choice["prompt_token_ids"] = prompt
+    resp: dict[str, Any] = {
+        "id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
+        "created": 0, "model": body.get("model"), "choices": [choice],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(gen),
+                  "total_tokens": len(prompt) + len(gen)}}
+    if chat and body.get("return_token_ids"):
+        resp["prompt_token_ids"] = prompt
+    if prefill:
+        resp["kv_transfer_params"] = {"do_remote_prefill": True,
+                                      **_blocks(url, "P", len(prompt))}
+    elif body.get("kv_transfer_params") is not None or body.get("return_token_ids"):
+        # Bidirectional D: keeps prompt + generated KV (the last sampled token never ran).
+        resp["kv_transfer_params"] = {"do_remote_decode": True,
+                                      **_blocks(url, "D", len(prompt) + len(gen) - 1)}
+    if body.get("stream"):
+        return _sse(resp, chat)
+    return httpx.Response(200, json=resp)
+
+
+def _sse(resp: dict[str, Any], chat: bool) -> httpx.Response:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    choice = ({"index": 0, "delta": {"content": "abc"}, "finish_reason": "length"} if chat
+              else {"index": 0, "text": "abc", "finish_reason": "length"})
+    chunk = {"id": resp["id"], "object": kind, "created": 0, "model": resp["model"],
+             "choices": [choice]}
+    events = [b"data: " + json.dumps(chunk).encode() + b"\n\n", b"data: [DONE]\n\n"]
+    return httpx.Response(200, stream=_Events(events),
+                          headers={"content-type": "text/event-stream"})
+
+
+class _Events(httpx.AsyncByteStream):
+    """A body that arrives event by event (bytes content would be read in one go)."""
+
+    def __init__(self, events: list[bytes]) -> None:
+        self.events = events
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for e in self.events:
+            yield e

@@ -1,0 +1,247 @@
+"""The P/D flow against fake engines (router_fakes): reuse headers, the reuse counter, and
+the retry policy as the flow applies it. No sockets: the app runs in Starlette's TestClient
+and reaches the engines through an httpx transport."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from kvtier.router.app import create_app
+from kvtier.router.config import RouterConfig
+from kvtier.router.flow import Router
+
+from kvtier.ids import ReusePath
+from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, IDX_URL, P2_URL, P_URL, FakeEngines
+
+PROMPT = list(range(1, 11))  # 10 tokens: 2 full blocks + 2
+
+
+class Stack:
+    def __init__(self, client: TestClient, fake: FakeEngines) -> None:
+        self.client, self.fake = client, fake
+        self.router: Router = client.app.state.router  # type: ignore[attr-defined]
+
+    def complete(self, prompt: list[int], conv: str | None = "c1",
+                 **extra: Any) -> Any:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, **extra}
+        if conv is not None:
+            body["conversation_id"] = conv
+        return self.client.post("/v1/completions", json=body)
+
+    def reuse_count(self, path: ReusePath) -> float:
+        v = self.router.metrics.registry.get_sample_value("kvtier_router_reuse_total",
+                                                          {"path": path.value})
+        return v or 0.0
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def make(fake: FakeEngines | None = None, **cfg: Any) -> Iterator[Stack]:
+    fake = fake or FakeEngines()
+    config = RouterConfig.model_validate({
+        "prefill": cfg.pop("prefill", [P_URL]), "decode": [D_URL], "log_json": False,
+        "block_size": BLOCK_SIZE, **cfg})
+    with TestClient(create_app(config, transport=fake, health_checks=False)) as c:
+        yield Stack(c, fake)
+
+
+@pytest.fixture()
+def stack() -> Iterator[Stack]:
+    yield from make()
+
+
+def reuse_of(r: Any) -> tuple[str, str]:
+    return r.headers["x-kvtier-reuse"], r.headers["x-kvtier-outcome"]
+
+
+# ---- the headers -----------------------------------------------------------------------
+def test_first_turn_reuses_nothing(stack: Stack) -> None:
+    r = stack.complete(PROMPT)
+    assert r.status_code == 200
+    assert reuse_of(r) == ("none; tokens=0", "none")
+    assert stack.reuse_count(ReusePath.NONE) == 1
+
+
+def test_next_turn_reads_the_decode_nodes_kv(stack: Stack) -> None:
+    stack.complete(PROMPT)
+    r = stack.complete([*PROMPT, *GEN, 7, 7])
+    # D computed KV for the prompt and all but the last generated token.
+    covered = len(PROMPT) + len(GEN) - 1
+    assert reuse_of(r) == (f"dp_read; tokens={covered}", "full")
+    assert stack.fake.prefills()[-1].kvp["remote_engine_id"] == "D"
+    assert stack.reuse_count(ReusePath.DP_READ) == 1
+    assert stack.metric("kvtier_router_reused_tokens_total") == covered
+
+
+def test_edited_history_is_trimmed_to_whole_blocks(stack: Stack) -> None:
+    stack.complete(PROMPT)
+    edited = [*PROMPT, *GEN, 7]
+    edited[9] = 500  # in the third block: the first two (8 tokens) still match
+    r = stack.complete(edited)
+    assert reuse_of(r) == ("dp_read; tokens=8", "trimmed")
+
+
+def test_history_edited_in_the_first_block_is_stale(stack: Stack) -> None:
+    stack.complete(PROMPT)
+    r = stack.complete([500, *PROMPT[1:], *GEN, 7])
+    assert reuse_of(r) == ("none; tokens=0", "stale")
+    assert "remote_engine_id" not in stack.fake.prefills()[-1].kvp
+
+
+def test_expired_kv_is_reported_expired() -> None:
+    for s in make(decode_kv_ttl_s=0.05, ttl_margin_s=0.0):
+        s.complete(PROMPT)
+        time.sleep(0.1)
+        assert len(s.router.store) == 0  # the gauges' read purged it ...
+        r = s.complete([*PROMPT, *GEN, 7])
+        assert reuse_of(r) == ("none; tokens=0", "expired")  # ... and it is still "expired"
+        assert s.metric("kvtier_router_params_dropped_total", reason="expired") == 1
+
+
+def test_indexer_paths_local_and_p2p() -> None:
+    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 8}])
+    for s in make(fake, indexer=IDX_URL):
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("local; tokens=8", "none")
+        fake.lookup = [{"pod": "prefill-0", "matched_tokens": 4}]
+        fake.source = {"pod": "prefill-1", "matched_tokens": 8, "p2p_host": "10.0.0.2",
+                       "p2p_port": 7000}
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("p2p; tokens=8", "none")
+        assert s.fake.prefills()[-1].kvp["remote_kv_source"]["num_tokens"] == 8
+        assert (s.reuse_count(ReusePath.LOCAL), s.reuse_count(ReusePath.P2P)) == (1, 1)
+        # a peer that holds no more than the pod itself is no p2p read (kvtier.cost.decide)
+        fake.lookup = [{"pod": "prefill-0", "matched_tokens": 8}]
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("local; tokens=8", "none")
+
+
+def _cost(p2p_setup_s: float) -> dict[str, Any]:
+    return {"kv_bytes_per_token": 2048, "prefill_b_s_per_token": 1e-3,
+            "reads": {"dp_read": {"setup_s": 0.0, "bytes_per_s": 1e12},
+                      "p2p": {"setup_s": p2p_setup_s, "bytes_per_s": 1e12}}}
+
+
+def test_with_a_cost_model_the_router_hands_over_only_the_path_that_pays() -> None:
+    # The same decision the CostAwareConnector and the simulator make (kvtier.cost.decide).
+    src = {"pod": "prefill-1", "matched_tokens": 8, "p2p_host": "10.0.0.2", "p2p_port": 7000}
+    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 4}], source=src)
+    for s in make(fake, indexer=IDX_URL, cost_model=_cost(p2p_setup_s=0.0)):
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("p2p; tokens=8", "none")
+        assert s.fake.prefills()[-1].kvp["remote_kv_source"]["num_tokens"] == 8
+    # 1 s of setup to save 4 ms of compute: the peer is not asked
+    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 4}], source=src)
+    for s in make(fake, indexer=IDX_URL, cost_model=_cost(p2p_setup_s=1.0)):
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("local; tokens=4", "none")
+        assert "remote_kv_source" not in s.fake.prefills()[-1].kvp
+
+
+def test_a_cost_model_file_is_read_once_and_bad_files_are_refused(tmp_path: Any) -> None:
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps(_cost(0.5)))
+    cfg = RouterConfig.model_validate({"prefill": [P_URL], "decode": [D_URL],
+                                       "cost_model": str(f)})
+    assert cfg.cost_model is not None and cfg.cost_model.reads["p2p"].setup_s == 0.5
+    with pytest.raises(ValueError, match="cannot read"):
+        RouterConfig.model_validate({"prefill": [P_URL], "decode": [D_URL],
+                                     "cost_model": str(tmp_path / "missing.json")})
+
+
+@pytest.mark.parametrize("capture", ["buffered", "passthrough"])
+def test_streaming_answers_carry_the_headers(capture: str) -> None:
+    for s in make(stream_capture=capture):
+        s.complete(PROMPT)
+        r = s.complete([*PROMPT, *GEN, 7], stream=True)
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert reuse_of(r) == (f"dp_read; tokens={len(PROMPT) + 2}", "full")
+
+
+def test_chat_answers_carry_the_headers(stack: Stack) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
+    r = stack.client.post("/v1/chat/completions", json=body,
+                          headers={"x-conversation-id": "chat-1"})
+    assert r.status_code == 200 and reuse_of(r) == ("none; tokens=0", "none")
+
+
+def test_direct_mode_reuses_nothing(stack: Stack) -> None:
+    stack.complete(PROMPT)
+    r = stack.complete([*PROMPT, *GEN, 7], n=2)
+    assert reuse_of(r) == ("none; tokens=0", "none")
+    assert not stack.fake.prefills()[1:]
+    assert len(stack.router.store) == 1  # left for a later P/D turn
+
+
+def test_a_decode_error_after_a_prefill_carries_its_reuse(stack: Stack) -> None:
+    stack.complete(PROMPT)
+    stack.fake.fail(D_URL, 400)
+    r = stack.complete([*PROMPT, *GEN, 7])
+    assert r.status_code == 400
+    assert reuse_of(r) == (f"dp_read; tokens={len(PROMPT) + 2}", "full")
+
+
+def test_no_prefill_answer_means_no_headers_on_the_error(stack: Stack) -> None:
+    stack.fake.fail(P_URL, 400)
+    r = stack.complete(PROMPT)
+    assert r.status_code == 400 and "x-kvtier-reuse" not in r.headers
+
+
+# ---- the retry policy, as the flow applies it ---------------------------------------------
+def test_prefill_5xx_keeps_the_reuse_for_one_retry(stack: Stack) -> None:
+    stack.complete(PROMPT)
+    stack.fake.fail(P_URL, 503)
+    r = stack.complete([*PROMPT, *GEN, 7])
+    assert reuse_of(r)[0].startswith("dp_read;")
+    assert [bool(c.kvp.get("remote_engine_id") == "D") for c in stack.fake.prefills()[1:]] \
+        == [True, True]
+    assert stack.metric("kvtier_router_retries_total", leg="prefill", action="elsewhere") == 1
+
+
+def test_prefill_timeout_drops_the_reuse(stack: Stack) -> None:
+    stack.complete(PROMPT)
+    stack.fake.fail(P_URL, "timeout")
+    r = stack.complete([*PROMPT, *GEN, 7])
+    # Proven in full, but the read may have consumed D's blocks: recomputed.
+    assert reuse_of(r) == ("none; tokens=0", "full")
+    assert stack.metric("kvtier_router_params_dropped_total", reason="rejected") == 1
+
+
+def test_prefill_refusing_the_reuse_is_retried_without_it(stack: Stack) -> None:
+    stack.complete(PROMPT)
+    stack.fake.fail(P_URL, 422)
+    r = stack.complete([*PROMPT, *GEN, 7])
+    assert r.status_code == 200 and reuse_of(r) == ("none; tokens=0", "stale")
+    assert stack.metric("kvtier_router_retries_total", leg="prefill", action="elsewhere") == 0
+
+
+def test_prefill_failing_everywhere_is_recomputed_in_direct_mode() -> None:
+    for s in make(prefill=[P_URL, P2_URL], max_retries=1):
+        s.complete(PROMPT)
+        s.fake.fail(P_URL, "connect")
+        s.fake.fail(P2_URL, "connect")
+        r = s.complete([*PROMPT, *GEN, 7])
+        assert r.status_code == 200 and reuse_of(r) == ("none; tokens=0", "full")
+        assert s.metric("kvtier_router_retries_total", leg="prefill", action="recompute") == 1
+        assert s.fake.completions()[-1].url == D_URL  # direct mode on the decode node
+
+
+def test_decode_5xx_reuses_the_prefills_blocks_once(stack: Stack) -> None:
+    stack.fake.fail(D_URL, 503, 503)
+    r = stack.complete(PROMPT, conv=None)
+    assert r.status_code == 200
+    decodes = [c for c in stack.fake.completions(D_URL)]
+    assert [bool(c.kvp) for c in decodes] == [True, True, False]
+    assert stack.metric("kvtier_router_retries_total", leg="decode", action="elsewhere") == 2
+
+
+def test_direct_mode_failing_everywhere_is_a_502() -> None:
+    for s in make(max_retries=0):
+        s.fake.fail(D_URL, "connect")
+        s.fake.fail(P_URL, "connect")
+        r = s.complete(PROMPT, n=2)
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+        assert s.metric("kvtier_router_upstream_errors_total", leg="direct",
+                        kind="connect") == 1
