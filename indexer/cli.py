@@ -19,7 +19,7 @@ from pydantic import ValidationError
 log = logging.getLogger(__name__)
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "indexer", help="run the KV-event indexer daemon (HTTP API on :8300)",
         description="Subscribe to vLLM KV events of every pod and answer prefix lookups.")

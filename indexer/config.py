@@ -1,7 +1,7 @@
 """Indexer configuration: parsed once, at the boundary, into frozen models.
 
 Sources: a YAML/JSON file (``--config``) or CLI flags; both end up as one
-``IndexerConfig``. ``--pod`` specs use the INTERFACES.md syntax
+``IndexerConfig``. ``--pod`` specs use the docs/INTERFACES.md syntax
 ``NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,p2p=HOST:PORT][,model=NAME][,topic=T]``.
 Renamed keys are accepted through ``_ALIASES``.
 
@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvtier.ids import ModelName, PodId
+
 _ENDPOINT = re.compile(r"^tcp://[^:/\s]+:\d{1,5}$")
 _HOSTPORT = re.compile(r"^[^:/\s]+:\d{1,5}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,128}$")
@@ -29,11 +31,11 @@ _ALIASES = {"endpoint": "events", "events_endpoint": "events", "replay_endpoint"
 class PodSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
+    name: PodId
     events: str
     replay: str | None = None
     p2p: str | None = None
-    model: str | None = None   # None: the indexer's default_model
+    model: ModelName | None = None   # None: the indexer's default_model
     topic: str = ""            # "" subscribes to every topic on that PUB
 
     @model_validator(mode="before")
@@ -45,7 +47,7 @@ class PodSpec(BaseModel):
 
     @field_validator("name")
     @classmethod
-    def _name(cls, v: str) -> str:
+    def _name(cls, v: PodId) -> PodId:
         if not _NAME.match(v):
             raise ValueError(f"pod name {v!r} must match {_NAME.pattern}")
         return v
@@ -72,7 +74,7 @@ class PodSpec(BaseModel):
         return host, int(port)
 
     @classmethod
-    def parse(cls, spec: str) -> "PodSpec":
+    def parse(cls, spec: str) -> PodSpec:
         """``NAME=tcp://HOST:PORT[,key=value...]``."""
         name, sep, rest = spec.partition("=")
         if not sep or not rest:
@@ -95,7 +97,7 @@ class IndexerConfig(BaseModel):
     backend: str = "memory"            # "memory" or "redis://HOST:PORT[/DB]"
     redis_namespace: str = "kvtier"
     pods: tuple[PodSpec, ...] = ()
-    default_model: str = "default"
+    default_model: ModelName = ModelName("default")
     block_size: int = Field(32, gt=0)
     hash_seed: int = 0
     max_keys: int = Field(2_000_000, gt=0)
@@ -116,18 +118,18 @@ class IndexerConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _unique_pods(self) -> "IndexerConfig":
+    def _unique_pods(self) -> IndexerConfig:
         names = [p.name for p in self.pods]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"duplicate pod names: {sorted(dup)}")
         return self
 
-    def model_of(self, pod: PodSpec) -> str:
+    def model_of(self, pod: PodSpec) -> ModelName:
         return pod.model or self.default_model
 
     @classmethod
-    def load(cls, path: str | Path, **overrides: Any) -> "IndexerConfig":
+    def load(cls, path: str | Path, **overrides: Any) -> IndexerConfig:
         p = Path(path)
         text = p.read_text()
         if p.suffix in (".yaml", ".yml"):
@@ -137,7 +139,8 @@ class IndexerConfig(BaseModel):
         else:
             data = json.loads(text)
         if not isinstance(data, dict):
-            raise ValueError(f"{p}: top level must be a mapping")
+            # ValueError, not TypeError: callers report ValueError as a bad configuration.
+            raise ValueError(f"{p}: top level must be a mapping")  # noqa: TRY004
         data = dict(data)
         pods = data.get("pods") or []
         data["pods"] = [PodSpec.parse(x) if isinstance(x, str) else x for x in pods]

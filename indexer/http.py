@@ -1,4 +1,4 @@
-"""The indexer's HTTP API (INTERFACES.md): FastAPI over an ``IndexerService``.
+"""The indexer's HTTP API (docs/INTERFACES.md): FastAPI over an ``IndexerService``.
 
 Endpoints: ``GET /healthz``, ``GET /metrics``, ``POST /v1/lookup``,
 ``POST /v1/source``, ``GET /v1/pods`` (details), ``POST /v1/pods`` (add:
@@ -17,7 +17,9 @@ than the lookup); the service's own threads do ingestion.
 from __future__ import annotations
 
 import logging
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -28,13 +30,15 @@ from kvtier.indexer.service import IndexerService, InputError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtier.ids import ModelName, PodId
 from kvtier.wire.indexer_api import AddPodRequest, LookupRequest, SourceRequest
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+_T = TypeVar("_T")
 
 
-def _ok(obj, status: int = 200) -> Response:
+def _ok(obj: object, status: int = 200) -> Response:
     return Response(_json.encode(obj), status_code=status, media_type="application/json")
 
 
@@ -42,7 +46,7 @@ def _err(msg: str, status: int = 400) -> Response:
     return _ok({"error": msg}, status)
 
 
-def _decode(body: bytes, typ):
+def _decode(body: bytes, typ: type[_T]) -> _T:
     if not body:
         raise InputError("request body must be a JSON object")
     try:
@@ -56,10 +60,10 @@ def _decode(body: bytes, typ):
 def build_app(svc: IndexerService, manage_service: bool = False) -> FastAPI:
     """The ASGI app. ``manage_service``: start/stop ``svc`` with the app's lifespan
     (the daemon; shutdown then runs before uvicorn re-raises SIGTERM)."""
-    lifespan = None
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None
     if manage_service:
         @asynccontextmanager
-        async def lifespan(_app):
+        async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
             svc.start()
             try:
                 yield
@@ -67,46 +71,48 @@ def build_app(svc: IndexerService, manage_service: bool = False) -> FastAPI:
                 svc.stop()
                 log.info("indexer stopped")
 
+        lifespan = _lifespan
+
     app = FastAPI(title="kvtier indexer", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
 
     @app.exception_handler(InputError)
-    async def _input_error(_req: Request, e: InputError):
+    async def _input_error(_req: Request, e: InputError) -> Response:
         return _err(str(e), e.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_req: Request, e: StarletteHTTPException):
+    async def _http_error(_req: Request, e: StarletteHTTPException) -> Response:
         return _err(str(e.detail), e.status_code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_req: Request, e: RequestValidationError):
+    async def _validation_error(_req: Request, e: RequestValidationError) -> Response:
         return _err(f"invalid request: {e.errors()}", 400)
 
     @app.get("/healthz")
-    async def healthz():
+    async def healthz() -> Response:
         return _ok({"status": "ok", "pods": svc.pod_status()})
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics() -> Response:
         return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/lookup")
-    async def lookup(request: Request):
+    async def lookup(request: Request) -> Response:
         req = _decode(await request.body(), LookupRequest)
-        return _ok(svc.lookup(req.model, req.token_ids))
+        return _ok(svc.lookup(ModelName(req.model), req.token_ids))
 
     @app.post("/v1/source")
-    async def source(request: Request):
+    async def source(request: Request) -> Response:
         req = _decode(await request.body(), SourceRequest)
-        return _ok(svc.source(req.model, req.token_ids, req.target_pod,
+        return _ok(svc.source(ModelName(req.model), req.token_ids, PodId(req.target_pod),
                               req.min_cached_token_delta))
 
     @app.get("/v1/pods")
-    async def pods():
+    async def pods() -> Response:
         return _ok({"pods": svc.pod_details()})
 
     @app.post("/v1/pods")
-    async def add_pod(request: Request):
+    async def add_pod(request: Request) -> Response:
         req = _decode(await request.body(), AddPodRequest)
         try:
             if req.spec is not None:
@@ -121,8 +127,8 @@ def build_app(svc: IndexerService, manage_service: bool = False) -> FastAPI:
         return _ok({"added": spec.name}, 201)
 
     @app.delete("/v1/pods/{name}")
-    async def remove_pod(name: str):
-        svc.remove_pod(name)
+    async def remove_pod(name: str) -> Response:
+        svc.remove_pod(PodId(name))
         return _ok({"removed": name})
 
     return app

@@ -96,9 +96,9 @@ class MemoryIndex:
         self._max_per_pod = max_blocks_per_pod
         self._touch = touch_on_lookup
         self._lock = threading.Lock()
-        self._keys: OrderedDict[int, int] = OrderedDict()  # RequestKey -> holder bitmask
+        self._keys: OrderedDict[RequestKey, int] = OrderedDict()  # -> holder bitmask
         # pod -> {engine hash: request_key << 2 | tier bits}
-        self._maps: dict[PodId, dict[int, int]] = {}
+        self._maps: dict[PodId, dict[EngineBlockHash, int]] = {}
         self._slot: dict[Holder, int] = {}
         self._slot_holder: list[Holder | None] = []
         self._free_slots: list[int] = []
@@ -120,7 +120,7 @@ class MemoryIndex:
 
     def _pod_bits(self, pod: PodId) -> dict[int, int]:
         """tier bit -> slot bit, for the tiers this pod has slots on."""
-        out = {}
+        out: dict[int, int] = {}
         for tb, tier in TIERS_BY_BIT:
             s = self._slot.get((pod, tier))
             if s is not None:
@@ -129,7 +129,8 @@ class MemoryIndex:
 
     # -- writes ----------------------------------------------------------------------
 
-    def store(self, pod, tier, blocks) -> None:
+    def store(self, pod: PodId, tier: Tier,
+              blocks: Sequence[tuple[EngineBlockHash, RequestKey]]) -> None:
         if not blocks:
             return
         tb = TIER_BIT[tier]
@@ -158,9 +159,9 @@ class MemoryIndex:
                 keys.popitem(last=False)
                 self._evicted += 1
 
-    def _unset(self, pod: PodId, eh: int, packed: int, tiers: int = 3) -> None:
+    def _unset(self, pod: PodId, eh: EngineBlockHash, packed: int, tiers: int = 3) -> None:
         """Clear ``pod``'s holder bits (for ``tiers``) on the key of one mapping entry."""
-        rk = packed >> 2
+        rk = RequestKey(packed >> 2)
         cur = self._keys.get(rk)
         if cur is None:
             return
@@ -172,7 +173,7 @@ class MemoryIndex:
         else:
             del self._keys[rk]
 
-    def remove(self, pod, tier, hashes) -> int:
+    def remove(self, pod: PodId, tier: Tier, hashes: Sequence[EngineBlockHash]) -> int:
         tb = TIER_BIT[tier]
         n = 0
         with self._lock:
@@ -192,7 +193,7 @@ class MemoryIndex:
                     del m[eh]
         return n
 
-    def clear_pod(self, pod) -> int:
+    def clear_pod(self, pod: PodId) -> int:
         with self._lock:
             m = self._maps.pop(pod, None) or {}
             for eh, packed in m.items():
@@ -206,14 +207,14 @@ class MemoryIndex:
 
     # -- reads -------------------------------------------------------------------------
 
-    def resolve(self, pod, engine_hash) -> RequestKey | None:
+    def resolve(self, pod: PodId, engine_hash: EngineBlockHash) -> RequestKey | None:
         m = self._maps.get(pod)
         if m is None:
             return None
         packed = m.get(engine_hash)
         return None if packed is None else RequestKey(packed >> 2)
 
-    def lookup(self, keys) -> dict[Holder, int]:
+    def lookup(self, keys: Sequence[RequestKey]) -> dict[Holder, int]:
         n = len(keys)
         if n == 0:
             return {}
@@ -245,13 +246,18 @@ class MemoryIndex:
                 for k in keys[: max(depth.values())]:
                     mte(k)
             holders = self._slot_holder
-            return {holders[b.bit_length() - 1]: d for b, d in depth.items()}  # type: ignore[misc]
+            out: dict[Holder, int] = {}
+            for b, d in depth.items():
+                h = holders[b.bit_length() - 1]
+                if h is not None:  # always: a set bit is a live slot (invariant above)
+                    out[h] = d
+            return out
 
-    def pod_entries(self, pod) -> list[MappingEntry]:
+    def pod_entries(self, pod: PodId) -> list[MappingEntry]:
         with self._lock:
             m = dict(self._maps.get(pod, {}))
         return [
-            MappingEntry(EngineBlockHash(eh), RequestKey(p >> 2),
+            MappingEntry(eh, RequestKey(p >> 2),
                          frozenset(t for tb, t in TIERS_BY_BIT if p & tb))
             for eh, p in m.items()
         ]

@@ -32,15 +32,15 @@ from kvtier.wire.kv_events import (
     UnknownEvent,
 )
 
-_MEDIA = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU}
+_MEDIA: dict[str | None, Tier] = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU}
 
 
 @dataclass
 class PodCounters:
     """Per-pod event accounting (read by /healthz and /metrics)."""
 
-    applied: Counter = field(default_factory=Counter)   # kind -> events applied
-    dropped: Counter = field(default_factory=Counter)   # reason -> blocks/events skipped
+    applied: Counter[str] = field(default_factory=Counter)  # kind -> events applied
+    dropped: Counter[str] = field(default_factory=Counter)  # reason -> blocks/events skipped
     blocks_stored: int = 0
     blocks_removed: int = 0
 
@@ -51,16 +51,16 @@ class HasherCache:
     def __init__(self, block_size: int, seed: int = 0) -> None:
         self.block_size = block_size
         self.seed = seed
-        self._h: dict[tuple[str, str | None], RequestKeyHasher] = {}
+        self._h: dict[tuple[ModelName, str | None], RequestKeyHasher] = {}
         self._lock = threading.Lock()
 
-    def get(self, model: str, lora: str | None = None) -> RequestKeyHasher:
+    def get(self, model: ModelName, lora: str | None = None) -> RequestKeyHasher:
         h = self._h.get((model, lora))
         if h is None:
             with self._lock:
                 h = self._h.setdefault(
                     (model, lora),
-                    RequestKeyHasher(ModelName(model), self.block_size, self.seed, lora=lora),
+                    RequestKeyHasher(model, self.block_size, self.seed, lora=lora),
                 )
         return h
 
@@ -70,7 +70,7 @@ class EventApplier:
         self.index = index
         self.hashers = hashers
 
-    def apply(self, pod: PodId, model: str, batch: EventBatch, c: PodCounters) -> None:
+    def apply(self, pod: PodId, model: ModelName, batch: EventBatch, c: PodCounters) -> None:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self._stored(pod, model, ev, c)
@@ -93,7 +93,7 @@ class EventApplier:
             c.dropped["unknown_medium"] += nblocks
         return tier
 
-    def _stored(self, pod: PodId, model: str, ev: BlockStored, c: PodCounters) -> None:
+    def _stored(self, pod: PodId, model: ModelName, ev: BlockStored, c: PodCounters) -> None:
         n = len(ev.block_hashes)
         tier = self._tier(ev.medium, ev.group_idx, c, n)
         if tier is None:

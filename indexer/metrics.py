@@ -17,13 +17,16 @@ never invalid view).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
 
 if TYPE_CHECKING:
-    from kvtier.indexer.index import KVIndex
+    from kvtier.indexer.index import Holder, IndexStats, KVIndex, MappingEntry
     from kvtier.indexer.subscriber import Subscriber
 
 P = "kvtier_indexer_"
@@ -38,18 +41,18 @@ class IndexerMetrics:
             registry=self.registry)
         self._subscriber: Subscriber | None = None
         self._index: KVIndex | None = None
-        self.registry.register(self)  # type: ignore[arg-type]
+        self.registry.register(self)
 
-    def bind(self, subscriber: "Subscriber", index: "KVIndex") -> None:
+    def bind(self, subscriber: Subscriber, index: KVIndex) -> None:
         self._subscriber, self._index = subscriber, index
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         sub, idx = self._subscriber, self._index
         if sub is None or idx is None:
             return
@@ -57,7 +60,7 @@ class IndexerMetrics:
         applied = CounterMetricFamily(P + "events_applied", "KV events applied", labels=["pod", "kind"])
         dropped = CounterMetricFamily(P + "events_dropped", "Blocks or events not indexed",
                                       labels=["pod", "reason"])
-        simple = {
+        simple: dict[str, tuple[str, str | None]] = {
             "gaps": ("Sequence discontinuities seen (recovered by replay or not)", "gaps"),
             "missing_batches": ("Event batches lost for good", "missing"),
             "malformed_frames": ("Frames that could not be decoded", "malformed"),
@@ -99,16 +102,38 @@ class IndexerMetrics:
 class InstrumentedIndex:
     """A ``KVIndex`` that records lookup latency; everything else passes through."""
 
-    def __init__(self, inner: "KVIndex", metrics: IndexerMetrics) -> None:
+    def __init__(self, inner: KVIndex, metrics: IndexerMetrics) -> None:
         self._inner = inner
         self._hist = metrics.lookup_seconds
 
-    def lookup(self, keys):
+    def lookup(self, keys: Sequence[RequestKey]) -> dict[Holder, int]:
         t0 = time.perf_counter()
         try:
             return self._inner.lookup(keys)
         finally:
             self._hist.observe(time.perf_counter() - t0)
 
-    def __getattr__(self, name):
+    def store(self, pod: PodId, tier: Tier,
+              blocks: Sequence[tuple[EngineBlockHash, RequestKey]]) -> None:
+        self._inner.store(pod, tier, blocks)
+
+    def resolve(self, pod: PodId, engine_hash: EngineBlockHash) -> RequestKey | None:
+        return self._inner.resolve(pod, engine_hash)
+
+    def remove(self, pod: PodId, tier: Tier, hashes: Sequence[EngineBlockHash]) -> int:
+        return self._inner.remove(pod, tier, hashes)
+
+    def clear_pod(self, pod: PodId) -> int:
+        return self._inner.clear_pod(pod)
+
+    def pod_entries(self, pod: PodId) -> list[MappingEntry]:
+        return self._inner.pod_entries(pod)
+
+    def stats(self) -> IndexStats:
+        return self._inner.stats()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # anything else a backend has (``pods``, ...)
         return getattr(self._inner, name)

@@ -19,6 +19,7 @@ every call is atomic on the server.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 from kvtier.indexer.index import TIER_BIT, TIERS_BY_BIT, Holder, IndexStats, MappingEntry
@@ -135,6 +136,12 @@ def _hex(v: int) -> str:
     return f"{v:016x}"
 
 
+def _text(v: bytes | str) -> str:
+    """A reply string. Our client replies bytes (``decode_responses=False``); redis-py's
+    types cannot know that, so they say ``bytes | str``."""
+    return v.decode() if isinstance(v, bytes) else v
+
+
 class RedisIndex:
     """``KVIndex`` on one Redis node. ``max_keys`` bounds request keys (LRU)."""
 
@@ -149,27 +156,28 @@ class RedisIndex:
         self._lookup = client.register_script(_LOOKUP)
 
     @classmethod
-    def from_url(cls, url: str, **kw) -> "RedisIndex":
+    def from_url(cls, url: str, **kw: Any) -> RedisIndex:
         return cls(redis.Redis.from_url(url, decode_responses=False), **kw)
 
-    def store(self, pod, tier, blocks) -> None:
+    def store(self, pod: PodId, tier: Tier,
+              blocks: Sequence[tuple[EngineBlockHash, RequestKey]]) -> None:
         if not blocks:
             return
-        args: list = [self.ns, pod, TIER_BIT[tier], self.max_keys]
+        args: list[str | int] = [self.ns, pod, TIER_BIT[tier], self.max_keys]
         for eh, rk in blocks:
             args += (_hex(eh), _hex(rk))
         self._store(args=args)
 
-    def resolve(self, pod, engine_hash) -> RequestKey | None:
+    def resolve(self, pod: PodId, engine_hash: EngineBlockHash) -> RequestKey | None:
         v = self.r.hget(f"{self.ns}:map:{pod}", _hex(engine_hash))
         return None if v is None else RequestKey(int(v[:16], 16))
 
-    def remove(self, pod, tier, hashes) -> int:
+    def remove(self, pod: PodId, tier: Tier, hashes: Sequence[EngineBlockHash]) -> int:
         if not hashes:
             return 0
         return int(self._remove(args=[self.ns, pod, TIER_BIT[tier], *map(_hex, hashes)]))
 
-    def clear_pod(self, pod) -> int:
+    def clear_pod(self, pod: PodId) -> int:
         mapk = f"{self.ns}:map:{pod}"
         n = 0
         hashes = [eh.decode() for eh, _ in self.r.hscan_iter(mapk, count=1000)]
@@ -190,8 +198,8 @@ class RedisIndex:
             out[(PodId(pod), _CHAR_TIER[t])] = int(flat[i + 1])
         return out
 
-    def pod_entries(self, pod) -> list[MappingEntry]:
-        out = []
+    def pod_entries(self, pod: PodId) -> list[MappingEntry]:
+        out: list[MappingEntry] = []
         for eh, v in self.r.hscan_iter(f"{self.ns}:map:{pod}", count=1000):
             bits = v[16]
             out.append(MappingEntry(EngineBlockHash(int(eh, 16)), RequestKey(int(v[:16], 16)),
@@ -199,7 +207,7 @@ class RedisIndex:
         return out
 
     def pods(self) -> list[PodId]:
-        return [PodId(p.decode()) for p in self.r.smembers(f"{self.ns}:pods")]
+        return [PodId(_text(p)) for p in self.r.smembers(f"{self.ns}:pods")]
 
     def stats(self) -> IndexStats:
         pipe = self.r.pipeline(transaction=False)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Self, TypedDict
 
 from kvtier.indexer.config import IndexerConfig, PodSpec
 from kvtier.indexer.index import KVIndex, MemoryIndex, restore_entries
@@ -30,10 +31,16 @@ from kvtier.indexer.metrics import IndexerMetrics, InstrumentedIndex
 from kvtier.indexer.snapshot import load_snapshot, write_snapshot
 from kvtier.indexer.subscriber import PodState, Subscriber
 
-from kvtier.ids import PodId, Tier
+from kvtier.ids import ModelName, PodId, RequestKey, Tier
 from kvtier.wire.indexer_api import LookupResponse, Match, Source, SourceResponse
 
 log = logging.getLogger(__name__)
+
+
+class PodStatus(TypedDict):
+    connected: bool
+    last_seq: int
+    gaps: int
 
 
 class InputError(ValueError):
@@ -95,11 +102,11 @@ class IndexerService:
         self.subscriber.stop()
         self.raw_index.close()
 
-    def __enter__(self) -> "IndexerService":
+    def __enter__(self) -> Self:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # -- pods ---------------------------------------------------------------------------------
@@ -109,11 +116,11 @@ class IndexerService:
             raise InputError(f"pod {spec.name!r} already exists", status=409)
         return self.subscriber.add_pod(spec)
 
-    def remove_pod(self, name: str) -> None:
+    def remove_pod(self, name: PodId) -> None:
         if self.subscriber.remove_pod(name) is None:
             raise InputError(f"unknown pod {name!r}", status=404)
 
-    def pod_status(self) -> dict[str, dict]:
+    def pod_status(self) -> dict[PodId, PodStatus]:
         return {
             name: {"connected": st.connected, "last_seq": st.last_seq, "gaps": st.gaps}
             for name, st in list(self.subscriber.pods.items())
@@ -132,8 +139,8 @@ class IndexerService:
                     "meanwhile is lost until a replay", missing, timeout_s)
         return False
 
-    def pod_details(self) -> dict[str, dict]:
-        out = {}
+    def pod_details(self) -> dict[PodId, dict[str, Any]]:
+        out: dict[PodId, dict[str, Any]] = {}
         for name, st in list(self.subscriber.pods.items()):
             out[name] = {
                 **st.spec.model_dump(), "model": st.model, "connected": st.connected,
@@ -148,7 +155,7 @@ class IndexerService:
 
     # -- queries (inline, caller's thread) ---------------------------------------------------
 
-    def _keys(self, model: str, token_ids: Sequence[int]):
+    def _keys(self, model: ModelName, token_ids: Sequence[int]) -> list[RequestKey]:
         if not token_ids:
             raise InputError("token_ids must not be empty")
         if len(token_ids) > self.cfg.max_lookup_tokens:
@@ -156,7 +163,7 @@ class IndexerService:
                              f"{self.cfg.max_lookup_tokens}", status=413)
         return self.hashers.get(model).keys(token_ids)
 
-    def lookup(self, model: str, token_ids: Sequence[int]) -> LookupResponse:
+    def lookup(self, model: ModelName, token_ids: Sequence[int]) -> LookupResponse:
         """Longest cached prefix per (pod, tier), longest first."""
         bs = self.cfg.block_size
         found = self.index.lookup(self._keys(model, token_ids))
@@ -165,7 +172,7 @@ class IndexerService:
         matches.sort(key=lambda m: (-m.matched_tokens, m.pod, m.tier))
         return LookupResponse(block_size=bs, matches=matches)
 
-    def source(self, model: str, token_ids: Sequence[int], target_pod: str,
+    def source(self, model: ModelName, token_ids: Sequence[int], target_pod: PodId,
                min_cached_token_delta: int | None = None) -> SourceResponse:
         """Best peer to pull this prompt's KV from into ``target_pod``, or none."""
         min_delta = (self.cfg.min_cached_token_delta if min_cached_token_delta is None
@@ -174,23 +181,25 @@ class IndexerService:
         found = self.index.lookup(self._keys(model, token_ids))
         target = max((n for (p, _), n in found.items() if p == target_pod), default=0) * bs
         pods = self.subscriber.pods
-        best: tuple[int, str] | None = None
+        # (tokens, pod, its p2p address): the address is taken with the candidate, as the pod
+        # may be removed by another thread before we answer.
+        best: tuple[int, PodId, tuple[str, int]] | None = None
         for (p, t), n in found.items():
             if t is not Tier.CPU or p == target_pod:
                 continue
             st = pods.get(p)
-            if st is None or st.spec.p2p is None:
+            addr = None if st is None else st.spec.p2p_host_port
+            if addr is None:
                 continue
-            cand = (n * bs, p)
-            if best is None or cand[0] > best[0] or (cand[0] == best[0] and p < best[1]):
-                best = cand
+            tokens = n * bs
+            if best is None or tokens > best[0] or (tokens == best[0] and p < best[1]):
+                best = (tokens, p, addr)
         if best is None:
             return SourceResponse(source=None, target_matched_tokens=target, delta=0)
-        tokens, pod = best
+        tokens, pod, (host, port) = best
         delta = tokens - target
         if delta < min_delta or tokens == 0:
             return SourceResponse(source=None, target_matched_tokens=target, delta=delta)
-        host, port = pods[pod].spec.p2p_host_port  # type: ignore[misc]
         return SourceResponse(
             source=Source(pod=pod, tier="CPU", matched_tokens=tokens, p2p_host=host,
                           p2p_port=port),
@@ -202,21 +211,21 @@ class IndexerService:
         """Write the snapshot file now (memory backend: mappings + last applied seq per pod)."""
         if not self.cfg.snapshot_path:
             return
-        pods = {name: (st.applied_seq, self.raw_index.pod_entries(PodId(name)))
+        pods = {name: (st.applied_seq, self.raw_index.pod_entries(name))
                 for name, st in list(self.subscriber.pods.items())}
         write_snapshot(self.cfg.snapshot_path, self.cfg, pods)
 
-    def _load_snapshot(self) -> dict[str, int]:
+    def _load_snapshot(self) -> dict[PodId, int]:
         if not self.cfg.snapshot_path:
             return {}
         snap = load_snapshot(self.cfg.snapshot_path, self.cfg)
         if snap is None:
             return {}
         configured = {p.name for p in self.cfg.pods}
-        resume = {}
+        resume: dict[PodId, int] = {}
         for name, (seq, entries) in snap.items():
             if name in configured:
-                n = restore_entries(self.raw_index, PodId(name), entries)
+                n = restore_entries(self.raw_index, name, entries)
                 resume[name] = seq
                 log.info("pod %s: restored %d blocks from snapshot, resuming after seq %d",
                          name, n, seq)
@@ -230,7 +239,7 @@ class IndexerService:
                 log.exception("snapshot failed")
 
 
-def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
+def wait_until(pred: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
     """Poll ``pred`` until true or ``timeout``; for tests and the CLI."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

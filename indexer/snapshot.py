@@ -24,14 +24,14 @@ import msgspec
 from kvtier.indexer.config import IndexerConfig
 from kvtier.indexer.index import TIER_BIT, TIERS_BY_BIT, MappingEntry
 
-from kvtier.ids import EngineBlockHash, RequestKey
+from kvtier.ids import EngineBlockHash, PodId, RequestKey
 
 log = logging.getLogger(__name__)
 VERSION = 1
 
 
 def write_snapshot(path: str | Path, cfg: IndexerConfig,
-                   pods: dict[str, tuple[int, list[MappingEntry]]]) -> None:
+                   pods: dict[PodId, tuple[int, list[MappingEntry]]]) -> None:
     doc = {
         "version": VERSION, "block_size": cfg.block_size, "hash_seed": cfg.hash_seed,
         "default_model": cfg.default_model,
@@ -49,7 +49,7 @@ def write_snapshot(path: str | Path, cfg: IndexerConfig,
 
 
 def load_snapshot(path: str | Path, cfg: IndexerConfig
-                  ) -> dict[str, tuple[int, list[MappingEntry]]] | None:
+                  ) -> dict[PodId, tuple[int, list[MappingEntry]]] | None:
     p = Path(path)
     if not p.exists():
         return None
@@ -62,13 +62,13 @@ def load_snapshot(path: str | Path, cfg: IndexerConfig
         if not same:
             log.warning("snapshot %s was written with other key settings; ignored", p)
             return None
-        out = {}
+        out: dict[PodId, tuple[int, list[MappingEntry]]] = {}
         for name, (seq, rows) in doc["pods"].items():
-            out[name] = (int(seq), [
+            out[PodId(name)] = (int(seq), [
                 MappingEntry(EngineBlockHash(eh), RequestKey(rk),
                              frozenset(t for tb, t in TIERS_BY_BIT if bits & tb))
                 for eh, rk, bits in rows])
         return out
-    except Exception as e:  # a corrupt snapshot must not stop the daemon
+    except Exception as e:  # noqa: BLE001 - a corrupt snapshot must not stop the daemon
         log.error("snapshot %s unreadable (%s); starting empty", p, e)
         return None

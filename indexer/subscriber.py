@@ -39,25 +39,33 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal
 
 import zmq
 from kvtier.indexer.config import PodSpec
 from kvtier.indexer.ingest import EventApplier, PodCounters
 
-from kvtier.ids import PodId
+from kvtier.ids import ModelName, PodId
 from kvtier.wire.kv_events import END_SEQ, EventBatch, MalformedFrame, decode_frames, decode_seq
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50
-_CLEAR = object()  # worker command: clear the pod (publisher restarted)
+
+
+class _Clear(Enum):
+    CLEAR = "clear"
+
+
+_CLEAR = _Clear.CLEAR  # worker command: clear the pod (publisher restarted)
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 @dataclass
 class PodState:
     spec: PodSpec
-    model: str
+    model: ModelName
     last_seq: int = -1            # -1: nothing received yet
     applied_seq: int = -1         # last seq the worker applied (snapshots)
     connected: bool = False
@@ -78,28 +86,34 @@ class PodState:
 
     @property
     def name(self) -> PodId:
-        return PodId(self.spec.name)
+        return self.spec.name
 
     @property
     def replaying(self) -> bool:
         return self.replay_deadline is not None
 
 
+_Role = Literal["sub", "mon", "replay"]
+_Socks = tuple[zmq.SyncSocket, zmq.SyncSocket, zmq.SyncSocket | None]  # SUB, its monitor, DEALER
+# An apply worker's queue: (pod, batch to apply or _CLEAR), or None to stop the worker.
+_WorkQueue = queue.Queue[tuple[PodState, EventBatch | Literal[_Clear.CLEAR]] | None]
+
+
 class Subscriber:
-    def __init__(self, applier: EventApplier, default_model: str, apply_workers: int = 2,
+    def __init__(self, applier: EventApplier, default_model: ModelName, apply_workers: int = 2,
                  replay_timeout_s: float = 3.0, max_pending: int = 100_000,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.SyncContext | None = None) -> None:
         self.applier = applier
         self.default_model = default_model
         self.replay_timeout_s = replay_timeout_s
         self.max_pending = max_pending
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
-        self.pods: dict[str, PodState] = {}
-        self._socks: dict[str, tuple[zmq.Socket, zmq.Socket, zmq.Socket | None]] = {}
-        self._by_sock: dict[zmq.Socket, tuple[str, str]] = {}
-        self._cmds: deque = deque()
-        self._queues = [queue.Queue() for _ in range(apply_workers)]
+        self.pods: dict[PodId, PodState] = {}
+        self._socks: dict[PodId, _Socks] = {}
+        self._by_sock: dict[zmq.SyncSocket, tuple[PodId, _Role]] = {}
+        self._cmds: deque[tuple[Literal["add", "remove"], PodState]] = deque()
+        self._queues: list[_WorkQueue] = [queue.Queue() for _ in range(apply_workers)]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._poller = zmq.Poller()
@@ -136,7 +150,7 @@ class Subscriber:
         self._cmds.append(("add", st))
         return st
 
-    def remove_pod(self, name: str) -> PodState | None:
+    def remove_pod(self, name: PodId) -> PodState | None:
         st = self.pods.pop(name, None)
         if st is not None:
             st.removed = True
@@ -155,11 +169,11 @@ class Subscriber:
     def _io_loop(self) -> None:
         while not self._stop.is_set():
             while self._cmds:
-                op, st = self._cmds.popleft()
+                op, target = self._cmds.popleft()
                 try:
-                    self._open(st) if op == "add" else self._close(st.spec.name, st)
+                    self._open(target) if op == "add" else self._close(target.name, target)
                 except zmq.ZMQError as e:
-                    log.error("pod %s: %s failed: %s", st.spec.name, op, e)
+                    log.error("pod %s: %s failed: %s", target.name, op, e)
             try:
                 ready = dict(self._poller.poll(_POLL_MS))
             except zmq.ZMQError:
@@ -202,7 +216,9 @@ class Subscriber:
         sub.connect(st.spec.events)
         dealer = self._new_dealer(st)
         self._socks[name] = (sub, mon, dealer)
-        for s, role in ((sub, "sub"), (mon, "mon"), (dealer, "replay")):
+        roles: tuple[tuple[zmq.SyncSocket | None, _Role], ...] = (
+            (sub, "sub"), (mon, "mon"), (dealer, "replay"))
+        for s, role in roles:
             if s is not None:
                 self._by_sock[s] = (name, role)
                 self._poller.register(s, zmq.POLLIN)
@@ -210,7 +226,7 @@ class Subscriber:
             # Ask right away: ZMQ queues the request until the ROUTER is reachable.
             self._request_replay(st)
 
-    def _new_dealer(self, st: PodState) -> zmq.Socket | None:
+    def _new_dealer(self, st: PodState) -> zmq.SyncSocket | None:
         if st.spec.replay is None:
             return None
         d = self._ctx.socket(zmq.DEALER)
@@ -230,7 +246,7 @@ class Subscriber:
             self._by_sock[new] = (st.spec.name, "replay")
             self._poller.register(new, zmq.POLLIN)
 
-    def _close(self, name: str, st: PodState | None = None) -> None:
+    def _close(self, name: PodId, st: PodState | None = None) -> None:
         socks = self._socks.pop(name, None)
         if socks is None:
             return
@@ -259,7 +275,7 @@ class Subscriber:
         st.replays += 1
         st.replay_deadline = time.monotonic() + self.replay_timeout_s
 
-    def _on_monitor(self, st: PodState, mon: zmq.Socket) -> None:
+    def _on_monitor(self, st: PodState, mon: zmq.SyncSocket) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
         while True:
@@ -275,7 +291,7 @@ class Subscriber:
             elif msg["event"] == zmq.EVENT_DISCONNECTED:
                 st.connected = False
 
-    def _on_sub(self, st: PodState, sock: zmq.Socket) -> None:
+    def _on_sub(self, st: PodState, sock: zmq.SyncSocket) -> None:
         for _ in range(1000):  # bounded, so one busy pod cannot starve the others
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -329,7 +345,7 @@ class Subscriber:
         self._skip_to(st, b.seq)
         self._hand_over(st, b)
 
-    def _on_replay(self, st: PodState, sock: zmq.Socket) -> None:
+    def _on_replay(self, st: PodState, sock: zmq.SyncSocket) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -373,12 +389,12 @@ class Subscriber:
         st.last_seq = b.seq
         self._queue_for(st.spec.name).put((st, b))
 
-    def _queue_for(self, name: str) -> queue.Queue:
+    def _queue_for(self, name: PodId) -> _WorkQueue:
         return self._queues[zlib.crc32(name.encode()) % len(self._queues)]
 
     # -- apply workers -------------------------------------------------------------------
 
-    def _worker(self, q: queue.Queue) -> None:
+    def _worker(self, q: _WorkQueue) -> None:
         applier = self.applier
         while True:
             item = q.get()
