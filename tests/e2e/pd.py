@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
-import re
+from typing import Any
 
 import httpx
 
+from kvtier.ab.live import scrape
 from kvtier.transfer_params import KVTransferParams, NixlParams
 
 
-def complete(client: httpx.Client, url: str, model: str, prompt, max_tokens: int, params=None) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True}
+def complete(client: httpx.Client, url: str, model: str, prompt: str | list[int],
+             max_tokens: int, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0, "return_token_ids": True}
     if params is not None:
         body["kv_transfer_params"] = params
     r = client.post(f"{url}/v1/completions", json=body)
     r.raise_for_status()
-    return r.json()
+    out: dict[str, Any] = r.json()
+    return out
 
 
-def pd_complete(client, p_url, d_url, model, prompt, max_tokens, reuse: NixlParams | None = None):
+def pd_complete(client: httpx.Client, p_url: str, d_url: str, model: str,
+                prompt: str | list[int], max_tokens: int, reuse: NixlParams | None = None
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Prefill on P (optionally reading `reuse` from a decode node), decode on D."""
     pre = complete(client, p_url, model, prompt, 1,
                    KVTransferParams.prefill_request(reuse=reuse).to_wire())
@@ -27,20 +32,9 @@ def pd_complete(client, p_url, d_url, model, prompt, max_tokens, reuse: NixlPara
     return pre, dec
 
 
-def metric(client: httpx.Client, url: str, name: str, **labels) -> float:
+def metric(client: httpx.Client, url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus sample (counter/gauge) whose labels include ``labels``."""
-    text = client.get(f"{url}/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        m = re.match(r"^(\S+?)(\{.*\})?\s+(\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        lab = m.group(2) or ""
-        if all(f'{k}="{v}"' in lab for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    return scrape.metric(client.get(f"{url}/metrics").text, name, labels)
 
 
 def reset_prefix_cache(client: httpx.Client, url: str) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.ab.live.scrape import metric
 from kvtier.ids import RequestKey
 from kvtier.runtime import free_ports
 from kvtier.tier.manager import HostTier
@@ -22,21 +24,20 @@ class Clock:
         return self.t
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+def scrape(url: str) -> str:
+    return httpx.get(url, timeout=10).text
 
 
-def val(samples, name, **labels):
-    want = {"pod": "prefill-0", "model": "tiny", **labels}
-    return samples[(name, tuple(sorted(want.items())))]
+def val(page: str, name: str, **labels: str) -> float:
+    """The sample of this pod and model with ``labels``; KeyError when it is not exposed."""
+    return metric(page, name, {"pod": "prefill-0", "model": "tiny", **labels}, required=True)
+
+
+Served = tuple[HostTier, Clock, TierMetricsServer]
 
 
 @pytest.fixture
-def served():
+def served() -> Iterator[Served]:
     clock = Clock()
     tier = HostTier(8, SLOT, clock=clock)
     server = TierMetricsServer(
@@ -46,10 +47,11 @@ def served():
     server.close()
 
 
-def test_retention_and_traffic_are_exposed(served):
+def test_retention_and_traffic_are_exposed(served: Served) -> None:
     tier, clock, server = served
     keys = [RequestKey(i) for i in range(1, 5)]
     job = tier.prepare_store(keys)
+    assert job is not None
     tier.complete_store(job.job_id, True)
     s = scrape(server.url)
     assert val(s, "kvtier_tier_blocks_held") == 4
@@ -65,6 +67,7 @@ def test_retention_and_traffic_are_exposed(served):
 
     assert tier.lookup_prefix(keys[:2] + [RequestKey(99)]) == 2
     load = tier.prepare_load(keys[:2])
+    assert load is not None
     tier.complete_load(load.job_id, True)
     tier.evict(keys[3:])
     tier.stats.record_fallback("unreachable")
@@ -80,7 +83,7 @@ def test_retention_and_traffic_are_exposed(served):
     assert val(s, "kvtier_tier_block_seconds_held_total") == pytest.approx(40 + 15)
 
 
-def test_close_frees_the_port(served):
+def test_close_frees_the_port(served: Served) -> None:
     import socket
 
     _, _, server = served

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvtier.ab.live.cli import prior_cost_model
+from kvtier.ab.live.common import prior_cost_model
 from kvtier.ab.live.sweep import run_sweep
 from kvtier.ab.report import write_report
 from kvtier.ab.simulator import FleetSpec, simulate

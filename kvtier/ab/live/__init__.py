@@ -1,1 +1,11 @@
+"""The live part of the A/B harness: real vLLM stacks, the router, the indexer.
 
+- ``cli``: the arguments of ``kvtier ab``, ``ab-report``, ``calibrate`` and ``demo``;
+  each command lives in ``ab`` (ab, ab-report), ``calibrate`` and ``demo``, with what they
+  share in ``common``.
+- ``sweep``: every strategy in turn, faults recorded; ``runner``: one strategy's live run.
+- ``headers``: the router's reuse decision from its answer headers; ``scrape``: Prometheus
+  pages; ``lock``: the machine-wide lock every local stack runs under (tests included).
+
+Threading model: see each module.
+"""

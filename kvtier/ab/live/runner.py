@@ -1,38 +1,40 @@
 """The live A/B runner: replay one trace through each strategy's real stack.
 
 For every strategy: start its stack (``LocalStack``, ≤ 3 instances, one at a
-time under the machine-wide lock), the indexer in-process when the strategy
-uses it, and the router (``RouterServer``); replay the trace (conversation
-starts and tool waits multiplied by ``time_scale``, every conversation on its
-own thread, so the trace's own overlap is the concurrency); record each turn
-and sample memory; stop everything (``try/finally``).
+time under the machine-wide lock, ``kvtier.ab.live.lock``), the indexer
+in-process when the strategy uses it, and the router (``RouterServer``); replay
+the trace (conversation starts and tool waits multiplied by ``time_scale``,
+every conversation on its own thread, so the trace's own overlap is the
+concurrency); record each turn and sample memory; stop everything
+(``try/finally``).
 
 How each number is measured (also written into the report, ``MEASUREMENT``):
 
 - The runner talks to the router like ``kvtier.router.client.Conversation``
   (token-id history, non-streaming completions, ``ignore_eos`` so a turn
   generates exactly the trace's ``response_tokens``) and tags every turn with
-  an ``x-request-id``, which the router forwards on both legs. The router runs
-  with a ``LegTap`` transport that times every upstream leg and keeps its
-  request/response ``kv_transfer_params`` and usage, keyed by that id.
-- ``ttft_s``: client send -> the router's prefill leg answered (the first token
+  an ``x-request-id``, which the router forwards on both legs. What the
+  router's answer cannot say comes from a ``LegTap``, the router's transport,
+  which times every upstream completion leg and keeps each engine answer's
+  ``kv_transfer_params``, keyed by that id.
+- ``reuse_path``, ``reused_tokens``, ``outcome``: the router's own decision,
+  from its answer's ``x-kvtier-reuse: PATH; tokens=N`` and
+  ``x-kvtier-outcome`` headers (``kvtier.ab.live.headers``); a failed turn
+  records ``none``/0/``none``. ``computed_tokens`` = prompt - reused.
+- ``ttft_s`` (leg tap): client send -> the router's prefill leg answered (the first token
   exists on P; router overhead, indexer calls, D->P/peer reads and the prompt's
   prefill are inside). The P->D KV move and decode are in ``e2e_s`` only. When
   the router fell back to one instance (no P/D), ttft = e2e.
-- ``reused_tokens``: the prefill's ``usage.prompt_tokens_details.cached_tokens``
-  (vLLM counts tokens it did not compute: connector-loaded and local cache);
-  ``computed_tokens`` = prompt - reused.
-- ``reuse_path``: from the prefill leg's request: D's block ids -> ``dp_read``;
-  ``remote_kv_source`` -> ``p2p``; otherwise ``local`` if cached_tokens > 0,
-  else ``none``.
 - ``transfer_s``: the prefill instances' ``vllm:nixl_xfer_time_seconds_sum``
   over the strategy's run, split over reusing turns by transferred tokens (vLLM
   exports no per-request transfer time; peer reads of the host tier are not in
   this metric).
-- ``device_blocks_retained``: a ledger of what decode nodes pin: after each
-  turn D returns ``remote_num_tokens`` it keeps for ``decoder_kv_blocks_ttl``;
-  the blocks are freed when a prefill reads them or at D's TTL.
-  The engines' ``vllm:kv_cache_usage_perc`` is sampled too (``meta``).
+- ``device_blocks_retained`` (leg tap): a ledger of what decode nodes pin: after each
+  turn D returns ``remote_num_tokens`` it keeps for ``decoder_kv_blocks_ttl``
+  (the decode leg's ``kv_transfer_params``, which the router never shows its
+  client); the blocks are freed when a prefill reads them (a ``dp_read`` turn)
+  or at D's TTL. The engines' ``vllm:kv_cache_usage_perc`` is sampled too
+  (``meta``).
 - ``host_bytes_held``: host-tier blocks per the tier's KV events (indexer
   counters: stored - removed, medium CPU) x block bytes from the model config.
 
@@ -44,42 +46,47 @@ threads, and joins or stops all of them before it returns.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import math
-import os
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from kvtier.ab.live.lock import e2e_lock
+from kvtier.ab.live.scrape import scrape
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import ConversationSpec, Trace, token_ids
 from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
+from kvtier.ids import Outcome, ReusePath
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
+from kvtier.runtime import ServerThread
+from kvtier.wire.reuse_headers import ReuseReport, parse_reuse_headers
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from kvtier.indexer.service import IndexerService
 
 log = logging.getLogger("kvtier.ab")
-
-LOCK_PATH = os.environ.get("KVTIER_E2E_LOCK", "/tmp/kvtier-e2e.lock")
 
 MEASUREMENT = {
     "ttft_s": "client send -> router's prefill leg answered (first token computed on P; includes "
               "router, indexer, D->P/peer reads, prefill). P->D move and decode only in e2e_s",
     "e2e_s": "client send -> full non-streaming answer from the router",
-    "reused_tokens": "prefill's usage.prompt_tokens_details.cached_tokens (connector-loaded + "
-                     "local cache); computed = prompt - reused",
-    "reuse_path": "from the prefill leg's kv_transfer_params: D's block ids = dp_read, "
-                  "remote_kv_source = p2p, else local if cached_tokens > 0, else none",
+    "reused_tokens": "the router's x-kvtier-reuse header (tokens=N: prompt tokens reused); "
+                     "computed = prompt - reused",
+    "reuse_path": "the router's x-kvtier-reuse header (dp_read, p2p, local, none)",
+    "outcome": "the router's x-kvtier-outcome header (full, trimmed, stale, expired, none)",
     "transfer_s": "prefill instances' vllm:nixl_xfer_time_seconds_sum over the run, split over "
                   "reusing turns by transferred tokens (peer host-tier reads not included)",
     "device_blocks_retained": "ledger of decode-pinned KV: D's remote_num_tokens after each turn, "
@@ -93,18 +100,29 @@ MEASUREMENT = {
 # ----------------------------------------------------------------- leg tap -----------
 @dataclass
 class Leg:
+    """One upstream completion leg of a turn, as the router's transport saw it."""
+
     inst: str
-    role: str          # "prefill" | "decode" | "direct"
+    role: str                 # "prefill" | "decode" | "direct"
     t0: float
-    t1: float
-    req_kvp: dict | None
-    resp: dict | None
+    t1: float                 # perf_counter when the engine's answer was read in full
+    ok: bool                  # 200 with a JSON body
+    kv_out: dict | None       # the answer's kv_transfer_params
+    # usage.prompt_tokens_details.cached_tokens: the prompt tokens the engine did not compute
+    # (prefix cache or loaded KV), as vLLM counted them; None when it did not say
+    cached_tokens: int | None = None
 
 
 class LegTap(httpx.AsyncBaseTransport):
-    """Router transport that forwards everything and records completion legs by request id."""
+    """Router transport that forwards everything and records completion legs by request id.
 
-    def __init__(self, roles: dict[str, tuple[str, str]]):
+    Only what the router's reuse headers cannot tell: when the prefill leg answered (TTFT), how
+    many prompt tokens the engine actually did not compute (its ``cached_tokens``: the router's
+    header says what it planned, a failed or partial load makes the engine compute more) and
+    what the decode node kept (the decode answer's ``kv_transfer_params``, which the router
+    strips from its own answer)."""
+
+    def __init__(self, roles: Mapping[str, tuple[str, str]]) -> None:
         self.inner = httpx.AsyncHTTPTransport()
         self.roles = roles  # url -> (instance name, role)
         self.legs: dict[str, list[Leg]] = {}
@@ -124,16 +142,20 @@ class LegTap(httpx.AsyncBaseTransport):
         except ValueError:
             out = None
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        name, role = self.roles.get(base, (base, "?"))
-        kvp = body.get("kv_transfer_params")
+        name, _ = self.roles.get(base, (base, "?"))
+        # The leg's role from what the router asked for, not the instance's configured role:
+        # a direct fallback may land on a prefill instance.
+        kvp: dict[str, Any] | None = body.get("kv_transfer_params")
         if kvp is None:
             role = "direct"
-        elif kvp.get("do_remote_decode"):
-            role = "prefill"
         else:
-            role = "decode"
+            role = "prefill" if kvp.get("do_remote_decode") else "decode"
+        ok = isinstance(out, dict)
+        kv_out = out.get("kv_transfer_params") if isinstance(out, dict) else None
+        leg = Leg(name, role, t0, t1, ok, kv_out if isinstance(kv_out, dict) else None,
+                  _cached_tokens(out))
         with self._lock:
-            self.legs.setdefault(rid, []).append(Leg(name, role, t0, t1, kvp, out))
+            self.legs.setdefault(rid, []).append(leg)
         headers = [(k, v) for k, v in resp.headers.raw
                    if k.lower() not in (b"content-length", b"transfer-encoding")]
         return httpx.Response(resp.status_code, headers=headers, content=raw,
@@ -151,8 +173,8 @@ class LegTap(httpx.AsyncBaseTransport):
 class DeviceLedger:
     """What decode nodes pin between turns (see the module docstring)."""
 
-    def __init__(self, block_size: int, ttl_s: float | None, router_margin_s: float = 0.0):
-        self.bs, self.ttl, self.margin = block_size, ttl_s, router_margin_s
+    def __init__(self, block_size: int, ttl_s: float | None) -> None:
+        self.bs, self.ttl = block_size, ttl_s
         # conversation -> [(blocks, freed_at)]: D pins each turn's KV until read or TTL
         self._held: dict[str, list[tuple[int, float]]] = {}
         self._lock = threading.Lock()
@@ -170,63 +192,15 @@ class DeviceLedger:
             if held:
                 held.pop()
 
-    def expired(self, conv: str, now: float) -> bool:
-        """The router's entry for ``conv`` had expired at ``now`` (it drops it ``margin`` early)."""
-        with self._lock:
-            held = self._held.get(conv)
-            return bool(held) and held[-1][1] - self.margin <= now
-
     def blocks(self, now: float) -> int:
         with self._lock:
             return sum(b for h in self._held.values() for b, until in h if until > now)
 
 
 # ----------------------------------------------------------------- helpers -----------
-def scrape(client: httpx.Client, url: str, name: str) -> float:
-    """Sum of every sample of one Prometheus metric on ``url`` (0 when absent)."""
-    try:
-        text = client.get(f"{url}/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return float("nan")
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            try:
-                total += float(line.rsplit(None, 1)[1])
-            except (ValueError, IndexError):
-                pass
-    return total
-
-
-class _UvicornThread:
-    def __init__(self, app, host: str = "127.0.0.1"):
-        import uvicorn
-
-        s = socket.socket()
-        s.bind((host, 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.url = f"http://{host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="kvtier-ab-idx")
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("indexer server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @contextlib.contextmanager
-def indexer_for(stack: LocalStack, model_name: str, block_size: int) -> Iterator[tuple]:
+def indexer_for(stack: LocalStack, model_name: str,
+                block_size: int) -> Iterator[tuple[IndexerService, str]]:
     """In-process indexer subscribed to every instance's host-tier events, served over HTTP."""
     from kvtier.indexer.config import IndexerConfig, PodSpec
     from kvtier.indexer.http import build_app
@@ -244,7 +218,7 @@ def indexer_for(stack: LocalStack, model_name: str, block_size: int) -> Iterator
     if not svc.wait_connected(15.0):
         log.warning("host bytes held may be undercounted")
     try:
-        with _UvicornThread(build_app(svc)) as srv:
+        with ServerThread(build_app(svc), name="kvtier-ab-idx") as srv:
             yield svc, srv.url
     finally:
         svc.stop()
@@ -253,16 +227,11 @@ def indexer_for(stack: LocalStack, model_name: str, block_size: int) -> Iterator
 @contextlib.contextmanager
 def locked_stack(spec: StackSpec, log_dir: Path) -> Iterator[LocalStack]:
     """A LocalStack under the machine-wide e2e lock (one stack at a time on this machine)."""
-    with open(LOCK_PATH, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            with LocalStack(spec, log_dir) as stack:
-                yield stack
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with e2e_lock(), LocalStack(spec, log_dir) as stack:
+        yield stack
 
 
-StackProvider = Callable[[StackSpec, Path], contextlib.AbstractContextManager]
+StackProvider = Callable[[StackSpec, Path], contextlib.AbstractContextManager[LocalStack]]
 
 
 # ----------------------------------------------------------------- the run -----------
@@ -330,12 +299,12 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
 
 
 def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack, url: str,
-            tap: LegTap, idx_svc, http: httpx.Client, model_name: str) -> RunResult:
-    ledger = DeviceLedger(opts.block_size, spec.decode_ttl_s if spec.device_retention else None,
-                          spec.router_settings().get("ttl_margin_s", 0.0))
+            tap: LegTap, idx_svc: IndexerService | None, http: httpx.Client,
+            model_name: str) -> RunResult:
+    ledger = DeviceLedger(opts.block_size, spec.decode_ttl_s if spec.device_retention else None)
     records: list[TurnRecord] = []
     memory: list[MemorySample] = []
-    usage: list[dict] = []
+    usage: list[dict[str, float]] = []
     rec_lock = threading.Lock()
     stop = threading.Event()
     prefill_urls = [i.url for i in stack.prefill]
@@ -381,16 +350,17 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                 prompt = [*history, *token_ids(conv, i, turn.new_tokens, trace.vocab_size)]
                 rid = f"{cid}:{i}"
                 t0 = time.perf_counter()
-                expired = ledger.expired(cid, t0)
                 gen: list[int] | None = None
+                reuse: ReuseReport | None = None
                 err = ""
                 try:
-                    gen = _complete(c, model_name, cid, rid, prompt, turn.response_tokens)
+                    gen, reuse = _complete(c, model_name, cid, rid, prompt,
+                                           turn.response_tokens)
                 except Exception as e:  # noqa: BLE001 - a failed turn is a record, not a crash
                     err = f"{type(e).__name__}: {e}"[:300]
                 t1 = time.perf_counter()
                 r = _record(spec.name, conv.conversation_id, i, t0 - t_run, t0, t1,
-                            tap.take(rid), len(prompt), gen, err, ledger, cid, expired)
+                            tap.take(rid), len(prompt), gen, reuse, err, ledger, cid)
                 with rec_lock:
                     records.append(r)
                 bar.update(1)
@@ -426,58 +396,67 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
 
 
 def _complete(c: httpx.Client, model: str, cid: str, rid: str, prompt: list[int],
-              max_tokens: int) -> list[int]:
-    """One turn through the router: token-list prompt, exact ids back (see router/client.py).
-    ``ignore_eos`` makes the turn generate exactly the trace's response length."""
+              max_tokens: int) -> tuple[list[int], ReuseReport]:
+    """One turn through the router: token-list prompt, exact ids back (see router/client.py),
+    and the router's reuse decision from the answer's headers. ``ignore_eos`` makes the turn
+    generate exactly the trace's response length."""
     body = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
             "ignore_eos": True, "return_token_ids": True, "conversation_id": cid}
     r = c.post("/v1/completions", json=body, headers={"x-request-id": rid})
     r.raise_for_status()
     ids = r.json()["choices"][0].get("token_ids")
     if not isinstance(ids, list):
-        raise ValueError("router answer has no token_ids")
-    return ids
+        # the router's answer is malformed: a bad value, not a caller passing a wrong type
+        raise ValueError("router answer has no token_ids")  # noqa: TRY004
+    return ids, parse_reuse_headers(r.headers)
 
 
 def _record(strategy: str, conv_id: str, i: int, t_start: float, t0: float, t1: float,
-            legs: list[Leg], prompt: int, gen: list[int] | None, err: str,
-            ledger: DeviceLedger, cid: str, expired: bool) -> TurnRecord:
-    pre = next((g for g in legs if g.role == "prefill" and g.resp is not None), None)
-    dec = next((g for g in reversed(legs) if g.role in ("decode", "direct")
-                and g.resp is not None), None)
-    reused, path, ttft = 0, "none", t1 - t0
-    if pre is not None:
-        ttft = pre.t1 - t0
-        details = (pre.resp.get("usage") or {}).get("prompt_tokens_details") or {}
-        reused = int(details.get("cached_tokens") or 0)
-        kvp = pre.req_kvp or {}
-        path = ("dp_read" if kvp.get("remote_block_ids") else
-                "p2p" if kvp.get("remote_kv_source") else "local" if reused else "none")
-        if path == "dp_read":
-            ledger.read(cid)
-    outcome = ("none" if i == 0 else "full" if path == "dp_read" else
-               "expired" if expired else "none")
+            legs: list[Leg], prompt: int, gen: list[int] | None, reuse: ReuseReport | None,
+            err: str, ledger: DeviceLedger, cid: str) -> TurnRecord:
+    """One turn's record: reuse from the router's headers (``reuse``; None when the turn
+    failed), TTFT and what the decode node kept from the legs."""
+    path, reused, outcome = ((reuse.path, reuse.tokens, reuse.outcome) if reuse is not None
+                             else (ReusePath.NONE, 0, Outcome.NONE))
+    pre = next((g for g in legs if g.role == "prefill" and g.ok), None)
+    if pre is not None and pre.cached_tokens is not None:
+        reused = pre.cached_tokens  # what the engine did, over what the router planned
+    dec = next((g for g in reversed(legs) if g.role in ("decode", "direct") and g.ok), None)
+    ttft = pre.t1 - t0 if pre is not None else t1 - t0
+    if path is ReusePath.DP_READ:
+        ledger.read(cid)
     if dec is not None and dec.role == "decode":
-        kvp = dec.resp.get("kv_transfer_params") or {}
+        kvp = dec.kv_out or {}
         n = kvp.get("remote_num_tokens")
         if kvp.get("remote_block_ids") and isinstance(n, int):
             ledger.retained(cid, n, time.perf_counter())
+    # The enum members themselves: they are str, equal to (and serialized as) their values.
     return TurnRecord(strategy, conv_id, i, prompt, reused, path, max(0, prompt - reused),
                       ttft, t1 - t0, 0.0, t_start, outcome,
                       len(gen) if gen is not None else 0, gen is not None, err)
 
 
+def _cached_tokens(answer: object) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an engine answer, if it has one."""
+    if not isinstance(answer, dict):
+        return None
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and n >= 0 else None
+
+
 def _split_transfer(records: list[TurnRecord], total_s: float) -> None:
     if not (total_s > 0):
         return
-    movers = [r for r in records if r.ok and r.reuse_path in ("dp_read", "p2p")
+    movers = [r for r in records if r.ok and ReusePath(r.reuse_path).is_read
               and r.reused_tokens > 0]
     tokens = sum(r.reused_tokens for r in movers)
     for r in movers:
         r.transfer_s = total_s * r.reused_tokens / tokens
 
 
-def _bar(total: int, desc: str, enabled: bool):
+def _bar(total: int, desc: str, enabled: bool) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, desc=f"{desc:>16}", unit="turn", disable=not enabled,

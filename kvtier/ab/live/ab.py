@@ -1,0 +1,228 @@
+"""``kvtier ab`` and ``kvtier ab-report``: run (or simulate) every strategy on one trace and
+write the report.
+
+A live ``ab`` starts each strategy's stack in turn (``kvtier.ab.live.sweep``,
+``kvtier.ab.live.runner``), replays the trace, then fits a cost model to the run's own turns
+(in-sample), replays the same trace through the simulator with it and reports the
+simulator's error next to the measurements. ``--simulate`` runs only the simulator (cost
+model from ``--cost FILE`` or the built-in prior). ``ab-report`` re-renders a live run's
+report from its ``report.json`` with this checkout's code.
+
+Threading model: each command runs on the caller's thread (the runner owns its helper
+threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.ab.fit import fit_from_records
+from kvtier.ab.live.common import (
+    model_facts,
+    prior_cost_model,
+    quiet_http_logs,
+    resolve_model,
+    simulate_all,
+)
+from kvtier.ab.live.sweep import run_sweep
+from kvtier.ab.records import RunResult, merge_repeats
+from kvtier.ab.report import environment_meta, summary_table, write_report
+from kvtier.ab.strategies import StrategySpec, parse_list
+from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
+from kvtier.cost.model import CostModel
+
+log = logging.getLogger("kvtier.ab")
+
+
+def default_trace(max_context: int, conversations: int, turns: int, seed: int = 0) -> Trace:
+    """An agentic trace whose context grows towards the model's limit."""
+    first = max(64, max_context // 8)
+    tool = max(32, (max_context - first) // max(1, turns) - 64)
+    return synthetic(SyntheticTraceConfig(
+        name=f"synthetic-{conversations}x{turns}-ctx{max_context}", conversations=conversations,
+        turns=turns, first_prompt_tokens=LengthDist(mean=first, spread=0.2),
+        response_tokens=LengthDist(mean=32, spread=0.5),
+        tool_output_tokens=LengthDist(mean=tool, spread=0.3),
+        wait=WaitDist(kind="lognormal", median_s=5.0, sigma=1.0, max_s=120.0),
+        concurrency=min(conversations, 2), wave_interval_s=20.0, seed=seed,
+        max_context_tokens=max_context - 8))
+
+
+def trace_max_context(trace: Trace) -> int:
+    """The longest prompt + response any turn of ``trace`` needs."""
+    from kvtier.ab.traces import turn_plan
+
+    return max((p.context_after for c in trace.conversations for p in turn_plan(c)), default=0)
+
+
+def _flags(args: argparse.Namespace) -> list[str]:
+    """The command line that repeats this run (every flag, defaults included)."""
+    out: list[str] = []
+    for k, v in sorted(vars(args).items()):
+        if k in ("func", "command") or v is None or v is False:
+            continue
+        flag = "--" + k.replace("_", "-")
+        out += [flag] if v is True else [flag, str(v)]
+    return out
+
+
+def run_ab(args: argparse.Namespace) -> int:
+    """``kvtier ab``: the report of every strategy on one trace, live or simulated."""
+    quiet_http_logs()
+    model_dir = resolve_model(args.model)
+    kvbpt, max_ctx = model_facts(model_dir)
+    max_ctx = min(max_ctx, args.max_model_len)
+    if args.trace:
+        trace = Trace.load(args.trace)
+    else:
+        trace = default_trace(max_ctx, args.conversations, args.turns, args.seed)
+    need = trace_max_context(trace)
+    if need > max_ctx:
+        raise SystemExit(f"trace {trace.name!r} reaches {need} tokens of context; the stack serves "
+                         f"at most {max_ctx} (--max-model-len {args.max_model_len}, model limit "
+                         f"{model_facts(model_dir)[1]}): raise --max-model-len or use a shorter trace")
+    host_bytes = _mib(args.host_mib)
+    specs = [s.topology(args.prefill, args.decode).with_host_bytes(host_bytes)
+             for s in parse_list(args.strategies, args.decode_ttl)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace.save(out / "trace.jsonl")
+    cost = CostModel.model_validate_json(Path(args.cost).read_text()) if args.cost else None
+    meta: dict[str, Any] = {"model": f"{args.model} ({model_dir})", "trace": trace.name,
+                            "conversations": len(trace.conversations),
+                            "turns": sum(len(c.turns) for c in trace.conversations),
+                            "time_scale": args.time_scale,
+                            # how to run it again (every flag, defaults included)
+                            "command": "kvtier ab " + shlex.join(_flags(args)),
+                            "topology": f"{args.prefill}P{args.decode}D local vLLM stack, "
+                                        f"block size {args.block_size}, KV {kvbpt} B/token"}
+    if args.simulate:
+        cost = cost or prior_cost_model(kvbpt, args.block_size)
+        specs = [s.with_cost_model(cost) for s in specs]
+        results = simulate_all(trace, specs, cost, args.prefill, args.decode, args.block_size)
+        meta.update(mode="simulated", cost_model=cost.model_dump(),
+                    cost_model_source=args.cost or "built-in prior (not measured)")
+        md = write_report(results, out, meta)
+        print(summary_table(results))
+        print(f"\nreport: {md}")
+        return 0
+
+    from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy
+
+    opts = RunOptions(model=str(model_dir), time_scale=args.time_scale,
+                      block_size=args.block_size, max_model_len=max_ctx,
+                      kv_bytes_per_token=kvbpt,
+                      log_dir=out / "logs", progress=not args.no_progress)
+    meta["environment"] = environment_meta()  # the commit measured, not the one at report time
+    t0 = time.time()
+    sw = run_sweep(specs, trace, lambda s, tr: run_strategy(s, tr, opts), cost=cost,
+                   kvbpt=kvbpt, block_size=args.block_size, time_scale=args.time_scale,
+                   log_dir=opts.log_dir, repeats=args.repeats)
+    meta.update(mode="live", measurement=MEASUREMENT, wall_s=round(time.time() - t0, 1))
+    if sw.adaptive:
+        meta["adaptive"] = sw.adaptive
+    if sw.failed:
+        meta["failed_strategies"] = sw.failed
+    if not sw.results:
+        log.error("no strategy finished; no report written (logs: %s)", opts.log_dir)
+        return 130 if sw.interrupted else 1
+    md = finish_report(sw.results, [s.scaled(args.time_scale) for s in sw.ran],
+                       _scaled_trace(trace, args.time_scale), meta, out, kvbpt,
+                       args.prefill, args.decode, args.block_size)
+    print(summary_table(sw.results))
+    if sw.failed:
+        print("\nnot in the report (failed): "
+              + ", ".join(f"{k} ({v})" for k, v in sw.failed.items()))
+    print(f"\nreport: {md}")
+    if sw.interrupted:
+        return 130
+    return 0 if not sw.failed and all(r.ok_turns for r in sw.results) else 1
+
+
+def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wall_trace: Trace,
+                  meta: dict[str, Any], out: Path, kvbpt: int, prefill: int, decode: int,
+                  block_size: int) -> Path:
+    """Fit the cost model to the measured turns, replay the trace through the simulator with
+    it (device TTLs fixed, as live), and write the report. ``specs_as_run`` and ``wall_trace``
+    are in wall-clock seconds (already scaled by the run's time scale)."""
+    meta = {**meta, "kv_bytes_per_token": kvbpt, "block_size": block_size,
+            "prefill": prefill, "decode": decode}
+    simulated = None
+    try:
+        fitted = fit_from_records(results, kvbpt, block_size)
+        simulated = simulate_all(wall_trace, specs_as_run, fitted, prefill, decode, block_size,
+                                 online_ttl=False)  # live vLLM fixes the TTL at start
+        # Repeated live runs: compare every repeat with the (deterministic) simulation.
+        reps = {r.strategy: int(r.meta.get("repeats", 1)) for r in results}
+        simulated = [merge_repeats([s] * reps.get(s.strategy, 1)) for s in simulated]
+        meta.update(cost_model=fitted.model_dump(),
+                    cost_model_source="fitted to this run's turns (in-sample)",
+                    recommendation=fitted.recommend().model_dump())
+    except Exception as e:  # noqa: BLE001 - the measured report stands without the simulator
+        log.warning("simulator comparison skipped: %s", e)
+        meta["simulator_skipped"] = str(e)
+    return write_report(results, out, meta, simulated=simulated)
+
+
+def run_ab_report(args: argparse.Namespace) -> int:
+    """Re-render a live run's report from its report.json with this checkout's code."""
+    import re
+
+    import msgspec
+
+    src = Path(args.dir)
+    try:
+        doc = json.loads((src / "report.json").read_text())
+        trace = Trace.load(src / "trace.jsonl")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{src}: not a kvtier ab output directory ({e})") from None
+    meta = doc["meta"]
+    if meta.get("mode") != "live":
+        raise SystemExit(f"{src}: only live runs can be re-rendered (mode {meta.get('mode')!r})")
+    results = msgspec.convert(doc["results"], list[RunResult])
+    kvbpt = meta.get("kv_bytes_per_token")
+    if kvbpt is None:
+        m = re.search(r"KV (\d+) B/token", meta.get("topology", ""))
+        if not m:
+            raise SystemExit(f"{src}: report.json does not say the KV bytes per token")
+        kvbpt = int(m.group(1))
+    if "prefill" in meta and "decode" in meta:
+        prefill, decode = int(meta["prefill"]), int(meta["decode"])
+    else:  # reports written before finish_report stored the counts
+        m = re.match(r"(\d+)P(\d+)D", meta.get("topology", "1P1D"))
+        prefill, decode = (int(m.group(1)), int(m.group(2))) if m else (1, 1)
+    specs = [StrategySpec.model_validate(r.meta["strategy_spec"]) for r in results]
+    keep = {k: v for k, v in meta.items() if k not in (
+        "environment", "cost_model", "cost_model_source", "recommendation", "simulator_skipped")}
+    keep["rendered_from"] = f"{src} (measured at commit "\
+                            f"{meta.get('environment', {}).get('git_commit', '?')})"
+    keep["environment"] = meta.get("environment", {})
+    out = Path(args.out or src)
+    md = finish_report(results, specs, _scaled_trace(trace, float(meta.get("time_scale", 1.0))),
+                       keep, out, int(kvbpt), prefill, decode,
+                       int(meta.get("block_size", 32)))
+    print(summary_table(results))
+    print(f"\nreport: {md}")
+    return 0
+
+
+def _mib(mib: float | None) -> int | None:
+    return None if mib is None else int(mib * (1 << 20))
+
+
+def _scaled_trace(trace: Trace, k: float) -> Trace:
+    if k == 1.0:
+        return trace
+    from kvtier.ab.traces import ConversationSpec, TurnSpec
+
+    convs = [ConversationSpec(c.conversation_id, c.start_s * k, c.seed,
+                              [TurnSpec(t.new_tokens, t.response_tokens, t.wait_s * k,
+                                        t.strip_reasoning) for t in c.turns])
+             for c in trace.conversations]
+    return Trace(trace.name, trace.vocab_size, convs)

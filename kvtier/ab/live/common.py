@@ -1,0 +1,60 @@
+"""What ``kvtier ab``, ``kvtier calibrate`` and ``kvtier demo`` share: the model a run serves,
+the facts read from its config, the prior cost model and the simulator sweep.
+
+Threading model: plain functions, called on the command's thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from kvtier.ab.records import RunResult
+from kvtier.ab.strategies import StrategySpec
+from kvtier.ab.traces import Trace
+from kvtier.cost.model import CostModel, LinkModel, kv_bytes_per_token
+from kvtier.devstack.platform import kv_dtype_bytes
+
+
+def resolve_model(name: str) -> Path:
+    """A preset (``tiny``, ``bench``: built or reused) or a model directory."""
+    if name in ("tiny", "bench"):
+        from kvtier.devstack.models import build_model
+
+        return Path(build_model(name))
+    p = Path(name)
+    if not (p / "config.json").exists():
+        raise SystemExit(f"--model {name!r}: not a preset (tiny, bench) nor a model directory")
+    return p
+
+
+def model_facts(model_dir: Path) -> tuple[int, int]:
+    """(KV bytes per token at the stack's serving dtype, max context) from config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return (kv_bytes_per_token(cfg, kv_dtype_bytes()),
+            int(cfg.get("max_position_embeddings", 4096)))
+
+
+def prior_cost_model(kvbpt: int, block_size: int = 32) -> CostModel:
+    """Cost model used when nothing was measured (``--simulate`` without ``--cost``):
+    tiny-model-on-this-CPU magnitudes; say so in the report."""
+    link = LinkModel(setup_s=0.002, bytes_per_s=4e9)
+    return CostModel(kv_bytes_per_token=kvbpt, prefill_a_s=0.01, prefill_b_s_per_token=2e-4,
+                     prefill_c_s_per_token_ctx=2e-8, decode_s_per_token=0.004,
+                     reads={"dp_read": link, "p2p": link}, block_size=block_size)
+
+
+def simulate_all(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill: int,
+                 decode: int, block_size: int, online_ttl: bool = True) -> list[RunResult]:
+    """Every strategy of ``specs`` on ``trace`` through the discrete-event simulator."""
+    from kvtier.ab.simulator import FleetSpec, simulate
+
+    fleet = FleetSpec(prefill=prefill, decode=decode, block_size=block_size)
+    return [simulate(trace, s.scaled(1.0), fleet, cost, online_ttl=online_ttl) for s in specs]
+
+
+def quiet_http_logs() -> None:
+    """One line per HTTP call / served request would bury the progress bar."""
+    for name in ("httpx", "kvtier.router"):
+        logging.getLogger(name).setLevel(logging.WARNING)
