@@ -134,7 +134,7 @@ def build_model(preset: str | ModelPreset = "tiny", dest: Path | None = None, fo
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float16",
+        dtype="float16",
     )
     torch.manual_seed(p.seed)
     model = LlamaForCausalLM(config)

@@ -85,7 +85,7 @@ class LocalStack:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self, attempts: int = 3) -> None:
@@ -171,7 +171,8 @@ class LocalStack:
         from kvtier.devstack.placement import place, priority_name
 
         for inst in self.instances:
-            core = int(inst.spec.cpu_bind) if (inst.spec.cpu_bind or "").isdigit() else None
+            bind = inst.spec.cpu_bind or ""
+            core = int(bind) if bind.isdigit() else None
             nice = self.spec.spinner_nice
             for p in place(inst.proc.pid, core, demote=self.spec.cpu_placement == "full",
                            nice=nice):
