@@ -2,7 +2,7 @@
 
 Each argument is ``NAME=DIR`` where DIR holds a ``report.json`` written by ``kvtier ab``.
 Prints, per regime: each strategy's median TTFT, reuse rate and device block-seconds, and
-issue #6's targets evaluated from that regime's records (``kvtier.ab.targets``).
+the A/B targets (``kvtier.ab.targets``) evaluated from that regime's records.
 
     .venv/bin/python benchmarks/ab_regimes.py main=/tmp/ab2 short=/tmp/ab-short-waits \\
         long=/tmp/ab-long-waits small=/tmp/ab-small-deltas

@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"schema": "kvtier.gpu_calibration/1", "env": env, "shapes": {},
                                "host_copies": [],
                                "nixl": {"measured": False, "note": (
-                                   "not re-measured: FACTS.md (lent H200, 2026-12-02) measured NIXL/UCX READ "
+                                   "not re-measured: docs/FACTS.md (lent H200, 2026-12-02) measured NIXL/UCX READ "
                                    "VRAM->VRAM between two processes on the one GPU at 0.5-0.6 GB/s, which says "
                                    "nothing about NVLink/RDMA; the link is a model parameter")}}
     out = Path(args.out)

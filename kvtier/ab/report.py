@@ -25,10 +25,11 @@ import statistics
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
-from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult
+from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
 from kvtier.ab.targets import evaluate as evaluate_targets
 from kvtier.ab.targets import markdown as targets_markdown
 from kvtier.runtime import cpu_info
@@ -40,7 +41,7 @@ PLOTS = ("ttft_vs_context.png", "prefill_split.png", "memory_over_time.png",
 def environment_meta(repo: Path | None = None) -> dict:
     """Machine (platform, CPU count, memory) and the git commit of ``repo``."""
     repo = repo or Path(__file__).resolve().parents[2]
-    meta = {"platform": platform.platform(), "python": platform.python_version(),
+    meta: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
             "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(), "processor": platform.processor() or platform.machine()}
     try:
@@ -115,7 +116,7 @@ def _rel(pred: float, meas: float) -> float:
 
 
 # ---------------------------------------------------------------- markdown ------------
-def _fmt(v, unit: str = "") -> str:
+def _fmt(v: object, unit: str = "") -> str:
     if isinstance(v, float):
         if math.isnan(v):
             return "–"
@@ -184,7 +185,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
                   "(their logs are under `logs/<strategy>/`):"]
         lines += [f"- `{k}`: {v}" for k, v in meta["failed_strategies"].items()]
     lines += ["", "## Summary", "", summary_table(results), ""]
-    lines += ["## Targets (issue #6), from this run's records", "",
+    lines += ["## Targets, from this run's records", "",
               targets_markdown(evaluate_targets(results)), ""]
     if meta.get("adaptive"):
         lines += ["## What tiered-adaptive was configured with", ""]
@@ -301,7 +302,7 @@ def plot_all(results: Sequence[RunResult], out_dir: Path) -> list[Path]:
     return paths
 
 
-def _median_curve(turns) -> list[tuple[float, float]]:
+def _median_curve(turns: Sequence[TurnRecord]) -> list[tuple[float, float]]:
     groups: dict[int, list] = {}
     from kvtier.ab.records import bucket_of
 
@@ -314,7 +315,7 @@ def _median_curve(turns) -> list[tuple[float, float]]:
     return out
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

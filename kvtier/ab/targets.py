@@ -1,6 +1,6 @@
 """The A/B harness's targets, evaluated from one run's records (never from constants).
 
-Issue #6 sets three, all about ``tiered-adaptive``:
+Three targets, all about ``tiered-adaptive`` (what the harness exists to show):
 
 1. **speedup at the longest context**: ``recompute``'s TTFT over ``tiered-adaptive``'s, both the
    median over the longest-context tenth of turns (`RunResult.ttft_at_longest`) — ≥ 5×;

@@ -1,4 +1,4 @@
-"""Issue #6 targets evaluated from records (kvtier.ab.targets): verdicts follow the numbers."""
+"""The A/B targets evaluated from records (kvtier.ab.targets): verdicts follow the numbers."""
 
 from __future__ import annotations
 
