@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,16 +31,14 @@ from pathlib import Path
 
 import httpx
 
+from kvtier.runtime import free_ports
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 
 
 def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    return free_ports(1)[0]
 
 
 def spawn(argv: list[str], log: Path) -> subprocess.Popen:

@@ -25,6 +25,7 @@ from kvtier.router.server import RouterServer
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
+from kvtier.runtime import free_ports
 from tests.e2e.pd import metric, pd_complete, reset_prefix_cache
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -336,10 +337,7 @@ def test_fuzzed_bad_requests_get_4xx_and_never_carry_injected_params(
 
 
 def test_indexer_down_dead_and_reset_prefill_still_answer_correctly(http, stack):
-    dead = socket.socket()
-    dead.bind(("127.0.0.1", 0))
-    dead_port = dead.getsockname()[1]
-    dead.close()  # nothing listens here
+    dead_port = free_ports(1)[0]  # nothing listens here
     hang, reset = FaultyPort("hang"), FaultyPort("reset")
     insts = [{"name": "prefill-dead", "url": f"http://127.0.0.1:{dead_port}", "role": "prefill"},
              {"name": "prefill-hang", "url": f"http://127.0.0.1:{hang.port}", "role": "prefill"},

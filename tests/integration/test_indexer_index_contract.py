@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -14,6 +13,7 @@ from kvtier.indexer.index import KVIndex, MemoryIndex, restore_entries
 
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
+from kvtier.runtime import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -21,11 +21,7 @@ G, C = Tier.GPU, Tier.CPU
 
 
 def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ reached through the router's upstream transport.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,17 +16,14 @@ import pytest
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
 
+from kvtier.runtime import free_ports
 from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
 
 pytestmark = pytest.mark.integration
 
 
 def dead_url() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
 
 
 @pytest.fixture(scope="module")
