@@ -18,12 +18,10 @@ in both cases. Expected costs come from ``configs/costaware-nixl-kvtier.json``
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
-from kvtier.configs import CONFIG_DIR, load_config_file
+from kvtier.configs import load_config_file
 from kvtier.cost.config import CostConfig
 from kvtier.cost.decide import Offer, decide
 from kvtier.devstack.spec import StackSpec
@@ -43,38 +41,42 @@ def costaware(stack_pool, tiny_model):
                                     extra_args=("--disable-hybrid-kv-cache-manager",)))
 
 
-def _expected_path(nixl_offer: int, host_offer: int, prompt: int) -> int | None:
-    raw = json.loads((CONFIG_DIR / f"{CFG}.json").read_text())
+def _expected_child(config: str, nixl_offer: int, host_offer: int, prompt: int) -> int | None:
+    """What kvtier.cost.decide picks over ``config``'s cost table (the connector's own call)."""
+    raw = load_config_file(config)["kv_connector_extra_config"]["cost"]
     # tiny model: 4 layers x K,V x 2 KV heads x 64 dims x fp16 = 2048 B/token
-    cfg = CostConfig.model_validate(raw["kv_connector_extra_config"]["cost"]) \
-        .with_bytes_per_token(2048)
-    cost, names = cfg.resolved()
+    cost, names = CostConfig.model_validate(raw).with_bytes_per_token(2048).resolved()
     return decide(prompt, [Offer(names[0], nixl_offer), Offer(names[1], host_offer)],
                   cost=cost).index
 
 
-@pytest.mark.parametrize("n_gen,winner", [(8, "host"), (200, "p2p")])
-def test_turn2_path_chosen_by_expected_cost(costaware, n_gen, winner):
-    P, D = costaware.prefill[0].url, costaware.decode[0].url
+def _turn2_by_cost(stack, config: str, seed: int, n_gen: int) -> tuple[int | None, dict, dict]:
+    """Turn 1, then turn 2 handed D's params: (the child decide expected, the tokens the
+    prefill loaded per source, what that expectation means in tokens per source)."""
+    P, D = stack.prefill[0].url, stack.decode[0].url
     with httpx.Client(timeout=180) as c:
-        prompt, dec1, turn2 = _turn1(c, P, D, seed=100 + n_gen, n_prompt_blocks=12, n_gen=n_gen)
+        prompt, dec1, turn2 = _turn1(c, P, D, seed=seed, n_prompt_blocks=12, n_gen=n_gen)
         retained = KVTransferParams.from_wire(dec1["kv_transfer_params"])
         assert retained is not None and retained.nixl is not None
         nixl_offer = retained.nixl.remote_num_tokens
         host_offer = len(prompt) // BS * BS  # P stored turn 1's full prompt blocks
-        expected = _expected_path(nixl_offer, host_offer, len(turn2))
-        assert expected == {"p2p": 0, "host": 1}[winner]  # the scenario is what it claims
-
+        expected = _expected_child(config, nixl_offer, host_offer, len(turn2))
         ref2 = _ref(c, P, turn2, 16)
         reset_prefix_cache(c, P)
         p0 = _by_source(c, P)
         _, dec2 = _pd(c, P, D, turn2, 16, KVTransferParams.prefill_request(reuse=retained.nixl))
         p1 = _by_source(c, P)
         assert dec2["choices"][0]["token_ids"] == ref2
-        got = {s: p1[s] - p0[s] for s in p0}
-        want = {"host": host_offer if winner == "host" else 0,
-                "p2p": nixl_offer if winner == "p2p" else 0}
-        assert got == want
+    got = {s: p1[s] - p0[s] for s in p0}
+    want = {"p2p": nixl_offer if expected == 0 else 0, "host": host_offer if expected == 1 else 0}
+    return expected, got, want
+
+
+@pytest.mark.parametrize("n_gen,winner", [(8, "host"), (200, "p2p")])
+def test_turn2_path_chosen_by_expected_cost(costaware, n_gen, winner):
+    expected, got, want = _turn2_by_cost(costaware, CFG, 100 + n_gen, n_gen)
+    assert expected == {"p2p": 0, "host": 1}[winner]  # the scenario is what it claims
+    assert got == want
 
 
 CALIBRATED = "costaware-calibrated"  # cost.fitted names configs/cost-tiny.json (kvtier calibrate)
@@ -90,24 +92,5 @@ def calibrated(stack_pool, tiny_model):
 def test_calibrated_cost_model_file_drives_the_choice(calibrated):
     """The shipped config naming a `kvtier calibrate` output starts, and the engine loads what
     kvtier.cost.decide says over that fitted model (whichever path that is)."""
-    P, D = calibrated.prefill[0].url, calibrated.decode[0].url
-    raw = load_config_file(CALIBRATED)["kv_connector_extra_config"]["cost"]
-    cost, names = CostConfig.model_validate(raw).with_bytes_per_token(2048).resolved()
-    with httpx.Client(timeout=180) as c:
-        prompt, dec1, turn2 = _turn1(c, P, D, seed=300, n_prompt_blocks=12, n_gen=64)
-        retained = KVTransferParams.from_wire(dec1["kv_transfer_params"])
-        assert retained is not None and retained.nixl is not None
-        nixl_offer = retained.nixl.remote_num_tokens
-        host_offer = len(prompt) // BS * BS
-        expected = decide(len(turn2), [Offer(names[0], nixl_offer), Offer(names[1], host_offer)],
-                          cost=cost).index
-        ref2 = _ref(c, P, turn2, 16)
-        reset_prefix_cache(c, P)
-        p0 = _by_source(c, P)
-        _, dec2 = _pd(c, P, D, turn2, 16, KVTransferParams.prefill_request(reuse=retained.nixl))
-        p1 = _by_source(c, P)
-        assert dec2["choices"][0]["token_ids"] == ref2
-        got = {s: p1[s] - p0[s] for s in p0}
-        want = {"p2p": nixl_offer if expected == 0 else 0,
-                "host": host_offer if expected == 1 else 0}
-        assert got == want, f"decide chose child {expected}"
+    expected, got, want = _turn2_by_cost(calibrated, CALIBRATED, 300, 64)
+    assert got == want, f"decide chose child {expected}"
