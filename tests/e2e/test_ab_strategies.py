@@ -51,7 +51,8 @@ def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
                    for t in res.turns)
     if spec.dp_reuse:
         # the previous turn's KV is read from the decode node (TTL far longer than the waits)
-        assert all(t.reuse_path == "dp_read" and t.reused_tokens >= 192 for t in follow)
+        assert all(t.reuse_path == "dp_read" and t.reused_tokens >= 192 for t in follow), \
+            [(t.reuse_path, t.reused_tokens, t.outcome) for t in follow]
         assert res.device_block_seconds() > 0
     if spec.host_tier and not spec.dp_reuse:
         assert res.device_block_seconds() == 0.0
