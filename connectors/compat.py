@@ -65,3 +65,39 @@ def kv_cache_layout(kv_cache_config: Any) -> str | None:
     (vLLM 0.26 has none, and its connector then failed to start: the GPU notes)."""
     layout = getattr(kv_cache_config, "kv_cache_layout", None)
     return str(layout) if layout is not None else None
+
+
+def nixl_connector_class() -> type:
+    """vLLM's pull-mode NixlConnector class (0.32: ``kv_connector.v1.nixl.connector``,
+    where ``NixlConnector`` is an alias of ``NixlPullConnector``; older releases:
+    ``kv_connector.v1.nixl_connector``)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+    except ImportError:  # pragma: no cover - vLLM < 0.30
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl_connector import (
+            NixlConnector,
+        )
+    cls: type = NixlConnector
+    return cls
+
+
+def request_token_ids(request: Any) -> list[int]:
+    """Prompt + generated token ids of a scheduler ``Request`` (``all_token_ids``)."""
+    return list(request.all_token_ids)
+
+
+def tp_rank_size(vllm_config: Any) -> tuple[int, int]:
+    """This process's tensor-parallel (rank, size). The size is
+    ``parallel_config.tensor_parallel_size``; the rank comes from vLLM's TP group
+    (``vllm.distributed.parallel_state``), which exists in worker processes once model
+    parallelism is initialised; elsewhere (the scheduler) the rank is 0."""
+    size = int(getattr(getattr(vllm_config, "parallel_config", None),
+                       "tensor_parallel_size", 1) or 1)
+    if size == 1:
+        return 0, 1
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), size
+    except Exception:  # no TP group in this process (scheduler side)
+        return 0, size

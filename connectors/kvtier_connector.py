@@ -37,6 +37,7 @@ from kvtier.tier.config import HostTierConfig
 from kvtier.tier.events import TierEventPublisher
 from kvtier.tier.manager import HostTier
 from kvtier.tier.pool import HostPool
+from kvtier.tier.pool import pool_tag as kvtier_pool_tag
 from kvtier.transfer_params import KVTransferParams
 
 if TYPE_CHECKING:
@@ -118,7 +119,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"{vllm_config.cache_config.block_size}; they must be equal")
         self.geometry = KVGeometry.of(kv_cache_config, block_size)
         num_slots = self.cfg.cpu_bytes_to_use // self.geometry.slot_bytes
-        pool_tag = f"{ktc.engine_id}"
+        self.tp_rank, self.tp_size = compat.tp_rank_size(vllm_config)
+        pool_tag = kvtier_pool_tag(f"{ktc.engine_id}", self.tp_rank, self.tp_size)
         self.model = ModelName(self.cfg.model or Path(vllm_config.model_config.model).name)
         self.sched: TierScheduler | None = None
         self.worker: TierWorker | None = None
@@ -138,12 +140,13 @@ class KVTierConnector(KVConnectorBase_V1):
                     self.cfg.events_buffer_steps)
             self.metrics: TierMetricsServer | None = None
             if self.cfg.metrics and self.cfg.metrics_port is not None:
-                self._start_metrics(tier, pool_tag)
+                self._start_metrics(tier, f"{ktc.engine_id}")
         else:
             self.worker = TierWorker(pool_tag, num_slots, self.geometry.slot_bytes,
                                      self.geometry.num_blocks, self.geometry.layer_names)
-        log.info("KVTierConnector %s: %d slots x %d B, model %s, layout %s", role.name,
-                 num_slots, self.geometry.slot_bytes, self.model, self.geometry.layout)
+        log.info("KVTierConnector %s: %d slots x %d B, model %s, layout %s, pool %s", role.name,
+                 num_slots, self.geometry.slot_bytes, self.model, self.geometry.layout,
+                 pool_tag)
 
     def _start_peer(self, pool_tag: str, num_slots: int) -> None:
         from kvtier.tier.nixl import NixlPool
@@ -151,6 +154,11 @@ class KVTierConnector(KVConnectorBase_V1):
         from kvtier.wire.peer import Identity
 
         assert self.sched is not None and self.cfg.p2p_port is not None
+        if self.tp_size != 1:
+            # The peer protocol moves one pool per engine; with TP every rank has its
+            # own (pool_tag), and a handshake that carries the TP layout is not built yet.
+            raise ValueError(f"kvtier peer fetch (p2p_port) needs tensor_parallel_size 1, "
+                             f"got {self.tp_size}")
         g = self.geometry
         ident = Identity(self.model, g.block_size, self.cfg.hash_seed, g.layout, g.slot_bytes)
         self.pool = HostPool.shared(pool_tag, num_slots, g.slot_bytes)
@@ -161,7 +169,7 @@ class KVTierConnector(KVConnectorBase_V1):
                                      self.cfg.peer_timeout_s)
         self.sched.min_delta = self.cfg.min_cached_token_delta
 
-    def _start_metrics(self, tier: HostTier, pool_tag: str) -> None:
+    def _start_metrics(self, tier: HostTier, engine_id: str) -> None:
         from kvtier.tier.metrics import TierCollector, TierMetricsServer
 
         assert self.sched is not None and self.cfg.metrics_port is not None
@@ -172,7 +180,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 return tier.stats.snapshot()
 
         collector = TierCollector(snapshot, tier.slot_bytes, tier.capacity_bytes,
-                                  self.cfg.pod or pool_tag, self.model)
+                                  self.cfg.pod or engine_id, self.model)
         self.metrics = TierMetricsServer(collector, self.cfg.metrics_port, self.cfg.metrics_host)
         log.info("KVTierConnector metrics on %s", self.metrics.url)
 

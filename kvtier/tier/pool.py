@@ -13,7 +13,9 @@ files left by killed processes are removed by ``sweep_stale()`` (the owner
 pid is part of the name).
 
 Pinning for CUDA (cudaHostRegister) is done by the engine adapter, which is
-where torch lives; this module stays numpy-only.
+where torch lives (``kvtier.connectors.tier_worker.pin_host``: once per process
+and mapping, undone by the adapter's close); this module stays numpy-only.
+Pools are named per engine and tensor-parallel rank (``pool_tag``).
 
 Threading model: the pool has no state besides the mapping; concurrent
 readers/writers of *different* slots are safe, the manager guarantees a slot
@@ -36,6 +38,16 @@ _NAME_RE = re.compile(r"^kvtier-pool-(\d+)-")
 def pool_path(tag: str, owner_pid: int) -> Path:
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
     return SHM_DIR / f"kvtier-pool-{owner_pid}-{safe}"
+
+
+def pool_tag(engine_id: str, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """The shared-pool name of one tensor-parallel rank of one engine. Each TP
+    rank holds its own shard of every block, so each has its own pool; slot
+    numbers (handed out once, by the scheduler) mean the same block in all of
+    them, and no two ranks ever write the same bytes."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} outside size {tp_size}")
+    return f"{engine_id}-tp{tp_rank}of{tp_size}"
 
 
 def sweep_stale() -> int:
