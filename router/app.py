@@ -56,8 +56,7 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if health_checks:
-            await router.start()
+        await router.start(health_checks)
         try:
             yield
         finally:
@@ -125,7 +124,9 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             m.requests.labels(endpoint.value, "499").inc()
             return Response(status_code=499)
         fields = {"request_id": rid, "conversation_id": inb.conversation,
-                  "endpoint": endpoint.value, "stream": inb.stream, **reply.info}
+                  "endpoint": endpoint.value, "stream": inb.stream, **reply.info,
+                  "reuse_path": reply.reuse.path.value, "reuse_tokens": reply.reuse.tokens,
+                  "outcome": reply.reuse.outcome.value}
         if reply.stream is None:
             dt = time.perf_counter() - t0
             m.ttft.labels(endpoint.value, stream_label).observe(dt)

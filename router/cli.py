@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--decode-kv-ttl", type=float, default=None, dest="decode_kv_ttl_s",
                     help="the decode nodes' decoder_kv_blocks_ttl in seconds")
-    ap.add_argument("--stream-capture", choices=["buffered", "passthrough"], default=None)
+    ap.add_argument("--stream-capture", choices=["stream", "buffered", "passthrough"], default=None)
     ap.add_argument("--cost-model", default=None, dest="cost_model", metavar="FILE",
                     help="cost model JSON (kvtier calibrate --out): pick the reuse path per "
                          "turn by expected TTFT and hand the prefill only that path's params")

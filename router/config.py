@@ -37,6 +37,9 @@ class InstanceConfig(BaseModel):
     name: PodId
     url: str
     role: Role
+    # A decode node's finished-request params feed (KVTierNixlConnector's ZMQ PUB,
+    # tcp://HOST:PORT): lets a streamed decode leg keep its KV for the next turn.
+    params_feed: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -80,12 +83,22 @@ class RouterConfig(BaseModel):
     ttl_margin_s: float = Field(30.0, ge=0)
     store_max_entries: int = Field(100_000, ge=1)
     store_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
-    # How a streaming client that names a conversation is served:
+    # How a streaming client in a conversation is served:
+    # "stream": decode streams and is relayed event by event (engine transfer params
+    #   stripped); the decode node's params for the next turn come from its params feed
+    #   (InstanceConfig.params_feed, KVTierNixlConnector), or from the stream itself when
+    #   an engine puts them there. A decode node without a feed is served as "buffered".
     # "buffered": decode runs non-streaming (vLLM returns kv_transfer_params only
     #   there) and the router re-emits SSE; the next turn can READ D's KV.
-    # "passthrough": decode's SSE is relayed byte for byte; no D params are
+    # "passthrough": decode's SSE is relayed (transfer params stripped); no D params are
     #   captured, the next turn relies on the prefill's own cache / peers.
-    stream_capture: Literal["buffered", "passthrough"] = "buffered"
+    stream_capture: Literal["stream", "buffered", "passthrough"] = "stream"
+    # How long after a streamed decode leg ends the router waits for its params (the
+    # client's final [DONE] is held that long at most); the turn succeeds without them.
+    params_wait_s: float = Field(2.0, ge=0)
+    # A request naming no conversation continues the one whose retained tokens its prompt
+    # provably starts with (same tenant); every P/D turn is retained for that.
+    implicit_sessions: bool = True
     min_cached_token_delta: int = Field(0, ge=0)
     # A cost model (the JSON `kvtier calibrate --out` writes). With one, the router picks the
     # reuse path per turn by expected TTFT (kvtier.cost.decide, the decision the

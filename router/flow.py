@@ -10,11 +10,19 @@ For a request in P/D mode:
    indexer for a peer source, run the prefill leg (``max_tokens=1``,
    non-streaming, ``do_remote_decode``, D->P params and/or ``remote_kv_source``)
    with the verified ids so no engine re-tokenizes differently.
-3. Choose a decode, hand it the prefill's params, relay its answer. A tracked
-   conversation runs decode non-streaming (vLLM returns ``kv_transfer_params``
-   only there) with ``return_token_ids`` and keeps D's params plus
-   ``prompt ids + generated ids`` for the next turn; a streaming client then
-   gets the answer re-emitted as SSE (``stream_capture: buffered``).
+3. Choose a decode, hand it the prefill's params, relay its answer, and keep D's
+   params plus ``prompt ids + generated ids`` for the next turn. A streaming
+   client with ``stream_capture: stream`` (default) gets decode's own stream, relayed
+   event by event (engine transfer params taken out); D's params come from the decode
+   node's params feed (``feed.py``), matched by a tag in the leg's ``X-Request-Id``,
+   while the final ``[DONE]`` is held. Otherwise decode runs non-streaming (vLLM
+   returns ``kv_transfer_params`` only there) with ``return_token_ids``, and a
+   streaming client gets the answer re-emitted as SSE (``buffered``).
+
+Sessions: a request names its conversation (``conversation_id``, ``session_id``,
+``prompt_cache_key``, or their headers), or, with ``implicit_sessions``, continues the
+conversation whose retained ids its prompt starts with (``store.find``); an unnamed first
+turn is retained under a fresh ``~``-prefixed id.
 
 Every answer carries a ``ReuseReport``: the reuse path its prefill leg took (``ReusePath``),
 the prompt tokens that path was planned to supply, and the ``Outcome`` for the conversation's
@@ -38,12 +46,14 @@ import contextlib
 import hashlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from kvtier.router.config import RouterConfig
+from kvtier.router.feed import ParamsFeed
 from kvtier.router.legs import EngineClientError, Legs, UpstreamError
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import InstancePool, InstanceState
@@ -56,13 +66,14 @@ from kvtier.router.requests import (
     tokenize_body,
 )
 from kvtier.router.retry import Attempts, Exhausted, Failure, RetryPolicies
-from kvtier.router.sse import chat_events, completion_events
+from kvtier.router.sse import DONE, chat_events, completion_events, strip_params
 from kvtier.router.store import ConversationStore, RetainedKV, ReuseDecision, prove_prefix
 
 from kvtier.cost.decide import Offer, decide
 from kvtier.cost.model import CostModel
 from kvtier.ids import ConversationId, Outcome, PodId, ReusePath
 from kvtier.transfer_params import KVTransferParams, NixlParams, RemoteKVSource
+from kvtier.wire.params_feed import FinishedParams, new_tag
 from kvtier.wire.reuse_headers import ReuseReport
 
 # Re-exported: the app relays these (see legs.py).
@@ -71,6 +82,15 @@ __all__ = ["EngineClientError", "Reply", "Router", "UpstreamError", "tenant_of"]
 log = logging.getLogger("kvtier.router")
 
 _NO_REUSE = ReuseDecision(Outcome.NONE, None, 0)
+
+
+class Refusal:
+    """Why a conversation's retained device KV was not read (the ``refusal`` log field)."""
+
+    STALE = "stale"          # its decode node is gone, or the engine refused the params
+    EXPIRED = "expired"      # retained past its TTL
+    UNPROVEN = "unproven"    # the prompt does not start with its tokens (or was not tokenized)
+    BELOW_THRESHOLD = "below_threshold"  # the cost model chose another path or recompute
 
 
 @dataclass
@@ -93,17 +113,23 @@ class Router:
         self.metrics = RouterMetrics()
         self.pool = InstancePool(config.prefill_instances, config.decode_instances,
                                  config.eject_after_failures)
-        self.store = ConversationStore(config.store_max_entries, config.store_max_bytes)
+        self.store = ConversationStore(config.store_max_entries, config.store_max_bytes,
+                                       block_size=config.block_size)
         self.retry = RetryPolicies.from_max_retries(config.max_retries)
         self.legs = Legs(config, self.pool, self.metrics, self._pod_down, transport)
         self.client = self.legs.client  # health checks and /v1/models share it
+        self.feed = ParamsFeed({i.name: i.params_feed for i in config.decode_instances
+                                if i.params_feed}, self.metrics)
         self._health_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------
-    async def start(self) -> None:
-        self._health_task = asyncio.create_task(self._health_loop())
+    async def start(self, health_checks: bool = True) -> None:
+        await self.feed.start()
+        if health_checks:
+            self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
+        await self.feed.stop()
         if self._health_task is not None:
             self._health_task.cancel()
             # Shutting down: whatever the health loop died of no longer matters.
@@ -138,36 +164,59 @@ class Router:
             return await self._direct(inb, headers, reason="mode", outcome=Outcome.NONE)
         ids = inb.prompt_ids
         decision = _NO_REUSE
-        if inb.conversation is not None:
-            entry, expired = self.store.take(tenant, inb.conversation)
+        conv = inb.conversation
+        entry: RetainedKV | None = None
+        refusal: str | None = None
+        if conv is not None:
+            entry, expired = self.store.take(tenant, conv)
             if expired:
                 self.metrics.params_dropped.labels("expired").inc()
                 decision = ReuseDecision(Outcome.EXPIRED, None, 0)
-            if entry is not None:
-                if ids is None:
-                    ids = await self._tokenize(inb, headers)
-                decision = self._prove(entry, ids)
-        return await self._pd(inb, headers, tenant, ids, decision)
+                refusal = Refusal.EXPIRED
+        if entry is None and self.cfg.implicit_sessions and len(self.store):
+            # No (live) named entry: the conversation this prompt provably continues, if any.
+            if ids is None:
+                ids = await self._tokenize(inb, headers)
+            found = self.store.find(tenant, ids) if ids is not None else None
+            if found is not None:
+                entry, _ = self.store.take(tenant, found)
+                conv = conv or found
+        if entry is not None:
+            if ids is None:
+                ids = await self._tokenize(inb, headers)
+            decision, refusal = self._prove(entry, ids)
+        if conv is None and self.cfg.implicit_sessions:
+            conv = ConversationId("~" + uuid.uuid4().hex[:20])
+        return await self._pd(inb, headers, tenant, conv, ids, decision, refusal)
 
-    def _prove(self, entry: RetainedKV, ids: tuple[int, ...] | None) -> ReuseDecision:
+    def _prove(self, entry: RetainedKV, ids: tuple[int, ...] | None,
+               ) -> tuple[ReuseDecision, str | None]:
+        """The reuse the retained ``entry`` allows for prompt ``ids``, and why it allows
+        none (a ``Refusal``) when it does not."""
         if ids is None:
             self.metrics.params_dropped.labels("untokenized").inc()
-            return ReuseDecision(Outcome.STALE, None, 0)
+            return ReuseDecision(Outcome.STALE, None, 0), Refusal.UNPROVEN
         holder = self.pool.by_name.get(entry.decode_pod)
         if holder is None or not holder.healthy:
             self.metrics.params_dropped.labels("decode_down").inc()
-            return ReuseDecision(Outcome.STALE, None, 0)
+            return ReuseDecision(Outcome.STALE, None, 0), Refusal.STALE
         d = prove_prefix(entry, ids, self.cfg.block_size)
         if d.outcome is Outcome.STALE:
             self.metrics.params_dropped.labels("stale").inc()
-        elif d.outcome is Outcome.TRIMMED:
+            return d, Refusal.UNPROVEN
+        if d.outcome is Outcome.TRIMMED:
             self.metrics.params_trimmed.inc()
-        return d
+        return d, None
 
     # ---- the P/D flow ----------------------------------------------------
     async def _pd(self, inb: Inbound, headers: dict[str, str], tenant: str,
-                  ids: tuple[int, ...] | None, decision: ReuseDecision) -> Reply:
+                  conv: ConversationId | None, ids: tuple[int, ...] | None,
+                  decision: ReuseDecision, refusal: str | None = None) -> Reply:
         info: dict[str, Any] = {"reuse": decision.outcome.value}
+        if conv is not None:
+            info["session"] = conv
+        if refusal is not None:
+            info["refusal"] = refusal
         model_ns = self.cfg.indexer_model or inb.model
         matched = await self.legs.lookup(model_ns, ids) if ids is not None else None
         reuse = decision.params
@@ -180,12 +229,15 @@ class Router:
                 break
             source = (await self.legs.source(model_ns, ids, p_inst.name)
                       if ids is not None else None)
+            offered = reuse is not None
             path, tokens, reuse, source = _plan(reuse, decision, source, matched, p_inst.name,
                                                 len(ids) if ids is not None else 0,
                                                 self.cfg.cost_model)
+            if offered and path is not ReusePath.DP_READ:
+                info["refusal"] = Refusal.BELOW_THRESHOLD  # another path (or none) was cheaper
             kvp = KVTransferParams.prefill_request(reuse=reuse, source=source).to_wire()
             body = prefill_body(inb, kvp, ids)
-            if inb.conversation is not None and ids is None:
+            if conv is not None and ids is None:
                 body["return_token_ids"] = True  # learn the prompt ids for the next turn
             try:
                 pre = await self.legs.post_json(p_inst, "prefill", inb.endpoint.path, body,
@@ -198,6 +250,7 @@ class Router:
                 if reuse is not None:
                     self._drop_reuse("rejected", reuse)
                     reuse, decision = None, ReuseDecision(Outcome.STALE, None, 0)
+                    info["refusal"] = Refusal.STALE
                 continue
             except UpstreamError as e:
                 self._retrying(run, p_inst, e)
@@ -213,12 +266,12 @@ class Router:
             break
         if pre is None:
             return await self._exhausted(run, None, inb, headers, decision.outcome)
-        if ids is None and inb.conversation is not None:
+        if ids is None and conv is not None:
             ids = _prompt_ids_of(inb.endpoint, pre)
         p_params = KVTransferParams.from_wire(pre.get("kv_transfer_params"))
         p_wire = p_params.nixl.model_dump(exclude_none=True) if p_params and p_params.nixl else None
         try:
-            return await self._decode(inb, headers, tenant, ids, p_wire, info, report)
+            return await self._decode(inb, headers, tenant, conv, ids, p_wire, info, report)
         except (EngineClientError, UpstreamError) as e:
             e.reuse = report  # the prefill answered: its reuse goes on the error too
             raise
@@ -242,46 +295,111 @@ class Router:
         raise last or UpstreamError(p.leg, None, Failure.NO_INSTANCE)
 
     async def _decode(self, inb: Inbound, headers: dict[str, str], tenant: str,
-                      ids: tuple[int, ...] | None, p_params: dict[str, Any] | None,
-                      info: dict[str, Any], report: ReuseReport) -> Reply:
-        capture = inb.conversation is not None and ids is not None and p_params is not None
-        if inb.stream and self.cfg.stream_capture == "passthrough":
-            capture = False
-        upstream_stream = inb.stream and not capture
+                      conv: ConversationId | None, ids: tuple[int, ...] | None,
+                      p_params: dict[str, Any] | None, info: dict[str, Any],
+                      report: ReuseReport) -> Reply:
+        track = conv is not None and p_params is not None
+        mode = self.cfg.stream_capture if inb.stream else "buffered"
         run = Attempts(self.retry.decode)
         for _ in run:
             d = self.pool.choose(self.pool.decode, exclude=run.tried)
             if d is None:
                 break
             params = p_params if run.kv_usable else None
+            # How this leg is run: streamed with its params from the decode node's feed,
+            # non-streaming with its params in the answer (buffered), or streamed without
+            # keeping anything (passthrough, or nothing to keep).
+            feed = (track and inb.stream and mode == "stream" and params is not None
+                    and self.feed.has(d.name))
+            # Without a feed, a streaming client is buffered only for a conversation it
+            # named; an unnamed one keeps its token-by-token stream (and no reuse).
+            relay_only = inb.stream and (mode == "passthrough" or inb.conversation is None)
+            capture = (track and ids is not None and params is not None and not feed
+                       and not relay_only)
+            upstream_stream = inb.stream and not capture
             body = decode_body(inb, params, ids, stream=upstream_stream, want_ids=capture)
             info["decode"] = d.name
+            leg_headers, tag = headers, None
+            if feed and conv is not None:
+                tag = new_tag()
+                if self.feed.expect(d.name, tag):
+                    rid = headers.get("x-request-id", "")
+                    leg_headers = {**headers, "x-request-id": f"{rid}-{tag}" if rid else tag}
+                    info["capture"] = "feed"
+                else:
+                    tag = None
             try:
                 if upstream_stream:
                     stream = await self.legs.open_stream(d, "decode", inb.endpoint.path, body,
-                                                         headers)
-                    return Reply(200, stream=stream, info=info, reuse=report)
+                                                         leg_headers)
+                    relay = self._relay(stream, d, tag, conv if tag else None, tenant, ids)
+                    return Reply(200, stream=relay, info=info, reuse=report)
                 resp = await self.legs.post_json(d, "decode", inb.endpoint.path, body, headers,
                                                  self.cfg.timeouts.decode_idle_s)
             except UpstreamError as e:
+                if tag is not None:
+                    self.feed.forget(d.name, tag)
                 self._retrying(run, d, e)
                 continue
-            if capture and inb.conversation is not None and ids is not None:
-                self._retain(inb.conversation, tenant, d, ids, resp)
+            except BaseException:
+                if tag is not None:
+                    self.feed.forget(d.name, tag)
+                raise
+            if capture and conv is not None and ids is not None:
+                params_of = KVTransferParams.from_wire(resp.get("kv_transfer_params"))
+                choices = resp.get("choices") or []
+                gen = choices[0].get("token_ids") if choices else None
+                if params_of is not None and isinstance(gen, list):
+                    self._retain(conv, tenant, d, params_of, [*ids, *gen], len(ids))
             return self._answer(inb, resp, info, report)
         return await self._exhausted(run, None, inb, headers, report.outcome)
 
+    async def _relay(self, stream: AsyncIterator[bytes], d: InstanceState, tag: str | None,
+                     conv: ConversationId | None, tenant: str,
+                     ids: tuple[int, ...] | None) -> AsyncIterator[bytes]:
+        """Relay a decode leg's stream with engine transfer params taken out. With a feed
+        ``tag``, hold the final ``[DONE]`` until the decode node's params for this leg
+        arrived (or ``params_wait_s`` passed) and are retained, so a client that sends its
+        next turn on ``[DONE]`` finds them."""
+        inline: list[dict[str, Any]] = []
+        done = False
+        try:
+            async for event in strip_params(stream, inline.append):
+                if tag is not None and event == DONE:
+                    done = True
+                    continue
+                yield event
+            if inline:
+                self.metrics.params_in_stream.inc(len(inline))
+            if tag is not None and conv is not None:
+                msg = await self.feed.wait(d.name, tag, self.cfg.params_wait_s)
+                if msg is not None:
+                    self._retain_finished(conv, tenant, d, ids, msg)
+            if done:
+                yield DONE
+        finally:
+            if tag is not None:
+                self.feed.forget(d.name, tag)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    def _retain_finished(self, conv: ConversationId, tenant: str, d: InstanceState,
+                         ids: tuple[int, ...] | None, msg: FinishedParams) -> None:
+        """Keep what the decode node's feed said it retained for this leg."""
+        params = KVTransferParams.from_wire(msg.kv_transfer_params)
+        tokens = msg.token_ids
+        if params is None or (ids is not None and tokens[:len(ids)] != ids):
+            return  # not the prompt this router proved and sent: do not trust it
+        self._retain(conv, tenant, d, params, list(tokens), len(ids) if ids else 0)
+
     def _retain(self, conv: ConversationId, tenant: str, d: InstanceState,
-                ids: tuple[int, ...], resp: dict[str, Any]) -> None:
-        params = KVTransferParams.from_wire(resp.get("kv_transfer_params"))
-        choices = resp.get("choices") or []
-        if not params or not params.nixl or not params.nixl.has_remote_blocks or not choices:
+                params: KVTransferParams, token_ids: list[int], prompt_len: int) -> None:
+        if not params.nixl or not params.nixl.has_remote_blocks:
             return
-        gen = choices[0].get("token_ids")
-        if not isinstance(gen, list):
-            return
-        entry = RetainedKV.build(conv, tenant, d.name, params.nixl, [*ids, *gen],
-                                 time.monotonic() + self.cfg.entry_ttl_s)
+        entry = RetainedKV.build(conv, tenant, d.name, params.nixl, token_ids,
+                                 time.monotonic() + self.cfg.entry_ttl_s, prompt_len)
         self.store.put(entry)
 
     def _answer(self, inb: Inbound, resp: dict[str, Any], info: dict[str, Any],
@@ -316,7 +434,8 @@ class Router:
                 if inb.stream:
                     stream = await self.legs.open_stream(inst, "direct", inb.endpoint.path,
                                                          body, headers)
-                    return Reply(200, stream=stream, info=info, reuse=report)
+                    return Reply(200, stream=self._relay(stream, inst, None, None, "", None),
+                                 info=info, reuse=report)
                 resp = await self.legs.post_json(inst, "direct", inb.endpoint.path, body,
                                                  headers, self.cfg.timeouts.decode_idle_s)
             except UpstreamError as e:

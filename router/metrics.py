@@ -48,6 +48,11 @@ class RouterMetrics:
         self.client_disconnects = Counter(p + "client_disconnects",
                                           "Clients gone before the answer; upstream cancelled",
                                           registry=r)
+        self.params_feed = Counter(p + "params_feed", "Decode params feed: messages received "
+                                   "for a streamed leg, waits timed out, malformed messages, "
+                                   "legs not registered (overflow)", ["result"], registry=r)
+        self.params_in_stream = Counter(p + "params_in_stream", "Engine kv_transfer_params "
+                                        "found in a relayed stream (stripped)", registry=r)
         self.conversations = Gauge(p + "conversations", "Entries in the conversation store",
                                    registry=r)
         self.store_bytes = Gauge(p + "conversation_store_bytes", "Bytes held by the store",

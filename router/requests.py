@@ -119,9 +119,9 @@ def parse_inbound(endpoint: Endpoint, raw: Any, headers: dict[str, str]) -> Inbo
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
         raise BadRequest(f"invalid field {loc!r}: {first.get('msg')}", param=loc or None) from None
-    conv = req.conversation_id or headers.get("x-conversation-id") or None
+    conv, named_by = session_name(raw, headers)
     if conv is not None and not (0 < len(conv) <= MAX_CONVERSATION_ID_LEN):
-        raise BadRequest("conversation id must be 1..256 characters", param="conversation_id")
+        raise BadRequest(f"{named_by} must be 1..256 characters", param=named_by)
     body = {k: v for k, v in raw.items()
             if k not in INBOUND_STRIP_KEYS and k not in _ROUTER_FIELDS}
     prompt_ids: tuple[int, ...] | None = None
@@ -151,6 +151,23 @@ def parse_inbound(endpoint: Endpoint, raw: Any, headers: dict[str, str]) -> Inbo
         mode="direct" if direct else "pd",
         prompt_ids=prompt_ids,
     )
+
+
+# Where a conversation's name is read from, first found wins: kvtier's own name, vLLM's
+# session id, OpenAI's prompt cache key. Only ``conversation_id`` is kvtier's and never
+# forwarded; the others are the client's fields for the engine too and pass through.
+_NAME_FIELDS = (("body", "conversation_id"), ("header", "x-conversation-id"),
+                ("body", "session_id"), ("header", "x-session-id"),
+                ("body", "prompt_cache_key"))
+
+
+def session_name(raw: dict[str, Any], headers: dict[str, str]) -> tuple[str | None, str]:
+    """The conversation a request names, and the field it was named by."""
+    for where, key in _NAME_FIELDS:
+        v = raw.get(key) if where == "body" else headers.get(key)
+        if isinstance(v, str) and v:
+            return v, key
+    return None, "conversation_id"
 
 
 def strip_headers(headers: dict[str, str]) -> dict[str, str]:

@@ -6,13 +6,16 @@ non-streaming and replaying its answer here, in the chunk format vLLM itself
 streams (``chat.completion.chunk`` / ``text_completion``), usage chunk included
 when asked, terminated by ``data: [DONE]``.
 
-Threading model: pure functions.
+``strip_params`` relays an engine's own stream with every ``kv_transfer_params`` taken out
+(clients never see engine transfer params; the router may use them).
+
+Threading model: pure functions (``strip_params``: one async generator per stream).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 
@@ -65,3 +68,51 @@ def completion_events(resp: dict[str, Any], include_usage: bool) -> Iterator[byt
     if include_usage and resp.get("usage") is not None:
         yield _event({**base, "choices": [], "usage": resp["usage"]})
     yield DONE
+
+
+_PARAMS = b"kv_transfer_params"
+
+
+async def strip_params(stream: AsyncIterator[bytes],
+                       found: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
+    """Relay an engine's SSE stream event by event, with every ``kv_transfer_params``
+    (top level or in a choice) taken out and handed to ``found``.
+
+    Events are cut at blank lines; an event that does not mention the key is relayed as it
+    came (no parsing). A trailing partial event is relayed as is when the stream ends."""
+    buf = b""
+    async for chunk in stream:
+        buf += chunk
+        while True:
+            cut = buf.find(b"\n\n")
+            if cut < 0:
+                break
+            event, buf = buf[:cut + 2], buf[cut + 2:]
+            yield _stripped(event, found) if _PARAMS in event else event
+    if buf:
+        yield _stripped(buf, found) if _PARAMS in buf else buf
+
+
+def _stripped(event: bytes, found: Callable[[dict[str, Any]], None]) -> bytes:
+    out: list[bytes] = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:") and _PARAMS in line:
+            try:
+                obj = json.loads(line[5:])
+            except ValueError:
+                # Not JSON, yet names the key: drop the line rather than leak it.
+                continue
+            if isinstance(obj, dict):
+                _take(obj, found)
+                for ch in obj.get("choices") or []:
+                    if isinstance(ch, dict):
+                        _take(ch, found)
+            line = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+        out.append(line)
+    return b"\n".join(out)
+
+
+def _take(obj: dict[str, Any], found: Callable[[dict[str, Any]], None]) -> None:
+    kvp = obj.pop("kv_transfer_params", None)
+    if isinstance(kvp, dict):
+        found(kvp)

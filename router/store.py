@@ -15,6 +15,12 @@ ids against ``covered``. Only a proven common prefix is reused, trimmed to
 whole blocks; anything else is dropped, because vLLM would load KV computed for
 different tokens (vLLM issue #43094).
 
+A request that names no conversation finds one by content (``find``): every retained
+entry is indexed, per tenant, by the chained digest of each of its whole blocks (one
+16-byte BLAKE2b per block, chained like the engines' prefix hashes); a prompt is hashed
+once, block by block, and its longest boundary that hits an entry names the candidate,
+which ``prove_prefix`` then checks token by token like a named one.
+
 The store itself is cachetools' ``TLRUCache`` (each entry expires at its own
 ``expires_at``, least recently stored goes first, sized in bytes) plus an entry
 count cap; it remembers which conversations expired so ``take`` can say so.
@@ -25,6 +31,7 @@ are not thread-safe. Expired entries are purged lazily on every access.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ from kvtier.ids import ConversationId, Outcome, PodId
 from kvtier.transfer_params import NixlParams
 
 _ENTRY_OVERHEAD_BYTES = 512  # params, keys, bookkeeping; a rough, conservative figure
+_CANDIDATES = 8  # entries ``find`` checks per block boundary (newest first)
 
 
 @dataclass(frozen=True)
@@ -51,10 +59,12 @@ class RetainedKV:
     covered: np.ndarray  # uint32 token ids the retained KV was computed for
     digest: str
     expires_at: float  # router monotonic clock
+    prompt_len: int = 0  # how many of ``covered`` were the turn's prompt (0: unknown)
 
     @classmethod
     def build(cls, conversation: ConversationId, tenant: str, decode_pod: PodId,
-              params: NixlParams, token_ids: Sequence[int], expires_at: float) -> RetainedKV:
+              params: NixlParams, token_ids: Sequence[int], expires_at: float,
+              prompt_len: int = 0) -> RetainedKV:
         # D computed KV for remote_num_tokens tokens (the last sampled token never
         # went through the model); cover exactly those.
         n = len(token_ids)
@@ -62,7 +72,7 @@ class RetainedKV:
             n = min(n, params.remote_num_tokens)
         covered = np.asarray(token_ids[:n], dtype=np.uint32)
         return cls(conversation, tenant, decode_pod, params, covered,
-                   token_digest(_as_ids(covered)), expires_at)
+                   token_digest(_as_ids(covered)), expires_at, min(prompt_len, n))
 
     @property
     def nbytes(self) -> int:
@@ -130,8 +140,10 @@ class _Entries(TLRUCache[_Key, RetainedKV]):
     ``expired_keys`` remembers the keys it dropped so ``take`` can still tell the client's
     next turn "expired" rather than "nothing retained"."""
 
-    def __init__(self, max_entries: int, max_bytes: int, clock: Callable[[], float]) -> None:
+    def __init__(self, max_entries: int, max_bytes: int, clock: Callable[[], float],
+                 on_drop: Callable[[_Key], None] = lambda _k: None) -> None:
         super().__init__(max_bytes, _expiry, clock, _size)
+        self.on_drop = on_drop
         # Bounded like the entries: a key is forgotten after max_entries later expiries.
         self.expired_keys: LRUCache[_Key, bool] = LRUCache(max_entries)
         self.evicted = 0
@@ -142,12 +154,14 @@ class _Entries(TLRUCache[_Key, RetainedKV]):
         self.expired += len(gone)
         for key, _ in gone:
             self.expired_keys[key] = True
+            self.on_drop(key)
         return gone
 
     def popitem(self) -> tuple[_Key, RetainedKV]:
         # cachetools evicts through popitem, and only the store calls it otherwise.
         item = super().popitem()
         self.evicted += 1
+        self.on_drop(item[0])
         return item
 
 
@@ -155,10 +169,50 @@ class ConversationStore:
     """Single-use, TTL'd, LRU, memory-capped map (tenant, conversation) -> RetainedKV."""
 
     def __init__(self, max_entries: int, max_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, block_size: int = 32) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries = _Entries(max_entries, max_bytes, clock)
+        self.block_size = block_size
+        self._entries = _Entries(max_entries, max_bytes, clock, self._unindex)
+        # (tenant, chained block digest) -> keys of the entries with that prefix, oldest first
+        self._index: dict[tuple[str, bytes], dict[_Key, None]] = {}
+        self._hashes: dict[_Key, list[bytes]] = {}
+
+    def _unindex(self, key: _Key) -> None:
+        for h in self._hashes.pop(key, ()):
+            keys = self._index.get((key[0], h))
+            if keys is not None:
+                keys.pop(key, None)
+                if not keys:
+                    del self._index[(key[0], h)]
+
+    def find(self, tenant: str, prompt_ids: Sequence[int]) -> ConversationId | None:
+        """The conversation of ``tenant`` whose retained ids share the longest whole-block
+        prefix with ``prompt_ids`` (a candidate: prove it before use); None if none does.
+
+        Only a continuation counts: the new prompt must repeat the retained turn's whole
+        prompt (token for token; what follows may diverge anywhere in the answer, as chat
+        history resent as text does). Two conversations that share only a system prompt
+        never take each other's KV. At most ``_CANDIDATES`` entries are checked per block
+        boundary, newest first."""
+        if not self._index:
+            return None
+        hashes = block_hashes(prompt_ids, self.block_size)
+        if not hashes:
+            return None
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        entries = self._entries
+        for i in range(len(hashes) - 1, -1, -1):
+            matched = (i + 1) * self.block_size
+            keys = self._index.get((tenant, hashes[i]))
+            for key in list(reversed(keys or {}))[:_CANDIDATES]:
+                entry = entries.get(key)
+                if entry is None or entry.prompt_len > len(prompt):
+                    continue
+                n = entry.prompt_len
+                if n <= matched or np.array_equal(prompt[matched:n], entry.covered[matched:n]):
+                    return key[1]
+        return None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -187,12 +241,19 @@ class ConversationStore:
         with entries.timer:  # one instant for the whole update
             entries.expire()
             entries.pop(key, None)
+            self._unindex(key)
             entries.expired_keys.pop(key, None)
             # The byte cap is the cache's own; the entry cap is this loop.
             while len(entries) >= self.max_entries:
                 entries.popitem()
             entries[key] = entry
-            return key in entries
+            if key not in entries:
+                return False
+            hashes = block_hashes(_as_ids(entry.covered), self.block_size)
+            self._hashes[key] = hashes
+            for h in hashes:
+                self._index.setdefault((entry.tenant, h), {})[key] = None
+            return True
 
     def take(self, tenant: str, conversation: ConversationId) -> tuple[RetainedKV | None, bool]:
         """Remove and return the entry: (entry, expired). Single use."""
@@ -201,6 +262,7 @@ class ConversationStore:
         with entries.timer:
             entries.expire()
             entry = entries.pop(key, None)
+        self._unindex(key)
         if entry is not None:
             return entry, False
         return None, entries.expired_keys.pop(key, False)
@@ -212,4 +274,18 @@ class ConversationStore:
             keys = [k for k, e in entries.items() if e.decode_pod == pod]
             for k in keys:
                 del entries[k]
+                self._unindex(k)
         return len(keys)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained 16-byte digests of each whole block of ``token_ids`` (uint32 little-endian):
+    the i-th names the first ``(i + 1) * block_size`` tokens."""
+    a = np.asarray(token_ids, dtype="<u4")
+    out: list[bytes] = []
+    h = b""
+    for i in range(len(a) // block_size):
+        h = hashlib.blake2b(h + a[i * block_size:(i + 1) * block_size].tobytes(),
+                            digest_size=16).digest()
+        out.append(h)
+    return out

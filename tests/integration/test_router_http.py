@@ -114,3 +114,36 @@ def test_reuse_headers_and_counter_over_http() -> None:
         text = httpx.get(srv.url + "/metrics").text
     assert 'kvtier_router_reuse_total{path="dp_read"} 1.0' in text
     assert 'kvtier_router_reuse_total{path="none"} 1.0' in text
+
+
+def test_streamed_turn_keeps_reuse_through_a_real_params_feed() -> None:
+    """The decode node's feed over real ZMQ: KVTierNixlConnector's publisher, the router's
+    subscriber. A streamed turn is relayed event by event and the next turn reads D's KV."""
+    import time
+
+    pytest.importorskip("vllm")
+    from kvtier.connectors.params_feed import ParamsPublisher
+
+    port = free_ports(1)[0]
+    pub = ParamsPublisher(f"tcp://127.0.0.1:{port}")
+    fake = FakeEngines()
+    fake.feed = lambda url, msg: pub.publish(msg)
+    cfg = RouterConfig.model_validate({
+        "prefill": [P_URL], "port": 0, "log_json": False, "block_size": BLOCK_SIZE,
+        "decode": [{"name": "decode-0", "url": D_URL,
+                    "params_feed": f"tcp://127.0.0.1:{port}"}]})
+    prompt = list(range(1, 11))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "stream": True}
+    try:
+        with RouterServer(cfg, transport=fake, health_checks=False) as srv:
+            time.sleep(0.3)  # the SUB connects (PUB drops what no one hears)
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+                events = [e for e in b"".join(r.iter_bytes()).split(b"\n\n") if e]
+            assert len(events) == 4 and events[-1] == b"data: [DONE]"
+            nxt = {**body, "prompt": [*prompt, *GEN, 7]}
+            r2 = httpx.post(srv.url + "/v1/completions", json=nxt, timeout=30)
+            assert r2.headers["x-kvtier-reuse"] == f"dp_read; tokens={len(prompt) + 2}"
+            text = httpx.get(srv.url + "/metrics").text
+        assert 'kvtier_router_params_feed_total{result="received"}' in text
+    finally:
+        pub.close()

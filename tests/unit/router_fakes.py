@@ -5,16 +5,24 @@ prefill legs (``max_tokens=1``, ``do_remote_decode``) return P's block params, d
 return the generated ids and D's retained-KV params, ``/tokenize`` tokenizes characters, and
 ``/v1/lookup`` / ``/v1/source`` answer as the indexer was told to. Every engine call is kept
 in ``calls``; ``fail(url, ...)`` queues faults for the next completion calls to one engine.
+
+Streamed answers arrive content chunk by content chunk. ``feed`` (when set) is called, as
+``KVTierNixlConnector`` would publish, with the engine request id vLLM derives from the leg's
+``X-Request-Id`` and D's retained params, for every streamed decode leg;
+``stream_params=True`` also puts those params into the stream's last chunk, as an engine
+that streams them would.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from kvtier.wire.params_feed import FinishedParams
 
 GEN = [901, 902, 903]  # what every decode generates
 BLOCK_SIZE = 4
@@ -46,6 +54,8 @@ class FakeEngines(httpx.AsyncBaseTransport):
     faults: dict[str, list[Fault]] = field(default_factory=dict)
     lookup: list[dict[str, Any]] = field(default_factory=list)  # indexer "matches"
     source: dict[str, Any] | None = None  # indexer "source"
+    feed: Callable[[str, FinishedParams], None] | None = None  # (engine url, message)
+    stream_params: bool = False
 
     def fail(self, url: str, *faults: Fault) -> None:
         self.faults.setdefault(url, []).extend(faults)
@@ -79,7 +89,17 @@ class FakeEngines(httpx.AsyncBaseTransport):
             if fault == "timeout":
                 raise httpx.ReadTimeout("timed out", request=request)
             return httpx.Response(int(fault), json={"error": {"message": "injected"}})
-        return _answer(url, path, body)
+        resp = _answer(url, path, body, self.stream_params)
+        if self.feed is not None and body.get("stream") and path.endswith("completions"):
+            prompt = _prompt_ids(path, body)
+            rid = f"cmpl-{request.headers.get('x-request-id', '')}-0-1a2b3c4d"
+            self.feed(url, FinishedParams(rid, _d_params(url, prompt), (*prompt, *GEN)))
+        return resp
+
+
+def _d_params(url: str, prompt: list[int]) -> dict[str, Any]:
+    # Bidirectional D: keeps prompt + generated KV (the last sampled token never ran).
+    return {"do_remote_decode": True, **_blocks(url, "D", len(prompt) + len(GEN) - 1)}
 
 
 def _chat_ids(body: dict[str, Any]) -> list[int]:
@@ -101,7 +121,8 @@ def _blocks(url: str, engine: str, n: int) -> dict[str, Any]:
             "remote_num_tokens": n}
 
 
-def _answer(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+def _answer(url: str, path: str, body: dict[str, Any],
+            stream_params: bool = False) -> httpx.Response:
     chat = path.endswith("chat/completions")
     prompt = _prompt_ids(path, body)
     prefill = body.get("max_tokens") == 1 and bool(
@@ -127,21 +148,26 @@ def _answer(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
         resp["kv_transfer_params"] = {"do_remote_prefill": True,
                                       **_blocks(url, "P", len(prompt))}
     elif body.get("kv_transfer_params") is not None or body.get("return_token_ids"):
-        # Bidirectional D: keeps prompt + generated KV (the last sampled token never ran).
-        resp["kv_transfer_params"] = {"do_remote_decode": True,
-                                      **_blocks(url, "D", len(prompt) + len(gen) - 1)}
+        resp["kv_transfer_params"] = _d_params(url, prompt)
     if body.get("stream"):
-        return _sse(resp, chat)
+        return _sse(resp, chat, stream_params)
     return httpx.Response(200, json=resp)
 
 
-def _sse(resp: dict[str, Any], chat: bool) -> httpx.Response:
+def _sse(resp: dict[str, Any], chat: bool, stream_params: bool) -> httpx.Response:
     kind = "chat.completion.chunk" if chat else "text_completion"
-    choice = ({"index": 0, "delta": {"content": "abc"}, "finish_reason": "length"} if chat
-              else {"index": 0, "text": "abc", "finish_reason": "length"})
-    chunk = {"id": resp["id"], "object": kind, "created": 0, "model": resp["model"],
-             "choices": [choice]}
-    events = [b"data: " + json.dumps(chunk).encode() + b"\n\n", b"data: [DONE]\n\n"]
+    events = []
+    for i, piece in enumerate("abc"):
+        last = i == 2
+        choice: dict[str, Any] = (
+            {"index": 0, "delta": {"content": piece}, "finish_reason": "length" if last else None}
+            if chat else {"index": 0, "text": piece, "finish_reason": "length" if last else None})
+        chunk = {"id": resp["id"], "object": kind, "created": 0, "model": resp["model"],
+                 "choices": [choice]}
+        if last and stream_params and "kv_transfer_params" in resp:
+            chunk["kv_transfer_params"] = resp["kv_transfer_params"]
+        events.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
     return httpx.Response(200, stream=_Events(events),
                           headers={"content-type": "text/event-stream"})
 

@@ -106,7 +106,8 @@ def test_expired_kv_is_reported_expired() -> None:
 
 def test_indexer_paths_local_and_p2p() -> None:
     fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 8}])
-    for s in make(fake, indexer=IDX_URL):
+    # no implicit sessions: the second identical prompt would continue the first
+    for s in make(fake, indexer=IDX_URL, implicit_sessions=False):
         assert reuse_of(s.complete(PROMPT, conv=None)) == ("local; tokens=8", "none")
         fake.lookup = [{"pod": "prefill-0", "matched_tokens": 4}]
         fake.source = {"pod": "prefill-1", "matched_tokens": 8, "p2p_host": "10.0.0.2",

@@ -68,3 +68,36 @@ def test_the_connectors_reach_vllm_private_names_only_through_compat():
     offenders = [f"{p.name}:{i}" for p in root.glob("*.py") if p.name != "compat.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
     assert not offenders, f"vLLM private names outside compat.py: {offenders}"
+
+
+def test_nixl_connector_class_and_request_token_ids():
+    """KVTierNixlConnector subclasses the class compat finds and overrides the two methods
+    NixlConnector returns a finished request's params from; it reads ``all_token_ids``."""
+    cls = compat.nixl_connector_class()
+    assert issubclass(cls, base.KVConnectorBase_V1)
+    for method in ("request_finished", "request_finished_all_groups"):
+        sig = inspect.signature(getattr(cls, method))
+        assert list(sig.parameters)[:2] == ["self", "request"] and len(sig.parameters) == 3, \
+            f"NixlConnector.{method} changed signature"
+    init = inspect.signature(cls.__init__)
+    assert list(init.parameters)[:4] == ["self", "vllm_config", "role", "kv_cache_config"]
+    from vllm.v1.request import Request
+
+    assert "self.all_token_ids = " in inspect.getsource(Request.__init__), \
+        "Request.all_token_ids is gone"
+
+    class Req:
+        all_token_ids = (1, 2, 3)
+
+    assert compat.request_token_ids(Req()) == [1, 2, 3]
+
+
+def test_the_params_feed_connector_is_a_nixl_connector():
+    from kvtier.connectors.params_feed import KVTierNixlConnector, feed_endpoint
+
+    assert issubclass(KVTierNixlConnector, compat.nixl_connector_class())
+    assert feed_endpoint({"params_feed_endpoint": "tcp://*:1"}, {}) == "tcp://*:1"
+    assert feed_endpoint({}, {"KVTIER_PARAMS_FEED_PORT": "5"}) == "tcp://*:5"
+    assert feed_endpoint({"params_feed_port_offset": 10},
+                         {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}) == "tcp://*:5610"
+    assert feed_endpoint({}, {}) is None
