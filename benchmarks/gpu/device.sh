@@ -6,7 +6,9 @@
 #   N.      (carry .gpu/cN)  bash benchmarks/gpu/device.sh     # results under $OUT (or ./gpu-out)
 # It unpacks vLLM into /tmp/site (skipped when already there), arranges kvtier from this
 # working tree as installed (/tmp/kvt: connectors/ -> kvtier/connectors, ...), then runs
-# ./run gpu-test's steps with that python: tests/gpu, bench_copy.py, serve_bench.sh.
+# ./run gpu-test's steps with that python: tests/gpu, bench_copy.py, serve_bench.sh
+# (BENCH=itl: itl_bench.sh instead, decode inter-token latency with and without stores;
+# SKIP_TESTS=1 skips tests/gpu and bench_copy).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=$PWD; O=${OUT:-$R/gpu-out}; mkdir -p "$O"; T0=$(date +%s)
@@ -34,6 +36,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "== t=$(( $(date +%s) - T0 )) bench_copy"
   python3 benchmarks/gpu/bench_copy.py --out "$O/bench_copy.json" --reps ${REPS:-9}
 fi
-echo "== t=$(( $(date +%s) - T0 )) serve_bench"
-bash benchmarks/gpu/serve_bench.sh "$O" "${LENGTHS:-3000,16000}" "${PROBE_REPS:-5}"
+if [ "${BENCH:-serve}" = itl ]; then
+  echo "== t=$(( $(date +%s) - T0 )) itl_bench"
+  bash benchmarks/gpu/itl_bench.sh "$O" ${ITL_ARGS:-}
+else
+  echo "== t=$(( $(date +%s) - T0 )) serve_bench"
+  bash benchmarks/gpu/serve_bench.sh "$O" "${LENGTHS:-3000,16000}" "${PROBE_REPS:-5}"
+fi
 echo "== t=$(( $(date +%s) - T0 )) end"
