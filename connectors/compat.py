@@ -101,3 +101,14 @@ def tp_rank_size(vllm_config: Any) -> tuple[int, int]:
         return int(get_tensor_model_parallel_rank()), size
     except Exception:  # no TP group in this process (scheduler side)
         return 0, size
+
+
+def nixl_pending_sends(connector: Any) -> dict[str, float]:
+    """NixlConnector's scheduler-side map of requests whose blocks the workers hold for a
+    remote read, with their release deadlines (``connector_scheduler._reqs_need_send``,
+    ``time.perf_counter`` of the scheduler). ``request_finished`` adds a finished turn with
+    vLLM's TTL deadline; ``build_connector_meta`` hands the map to the workers, which
+    (re)set each listed request's deadline and free its blocks once it passes."""
+    sched = connector.connector_scheduler
+    pending: dict[str, float] = sched._reqs_need_send
+    return pending

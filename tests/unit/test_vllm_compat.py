@@ -64,7 +64,7 @@ def test_the_connectors_reach_vllm_private_names_only_through_compat():
 
     root = Path(pkg.__file__).parent
     private = re.compile(r"\b(?:self|multi|connector|c)\._(?:kv_transfer_config|get_connector_metadata|"
-                         r"requests_to_connector|cache_hit_source)\b")
+                         r"requests_to_connector|cache_hit_source|reqs_need_send)\b")
     offenders = [f"{p.name}:{i}" for p in root.glob("*.py") if p.name != "compat.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
     assert not offenders, f"vLLM private names outside compat.py: {offenders}"
@@ -101,3 +101,32 @@ def test_the_params_feed_connector_is_a_nixl_connector():
     assert feed_endpoint({"params_feed_port_offset": 10},
                          {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}) == "tcp://*:5610"
     assert feed_endpoint({}, {}) is None
+
+
+def test_nixl_pending_sends_is_the_map_the_workers_take_deadlines_from():
+    """Decode leases move a retained request's deadline by rewriting the scheduler's
+    ``_reqs_need_send`` map; that only works while (1) request_finished puts the TTL deadline
+    there, (2) build_connector_meta hands the map to the workers, and (3) the pull worker
+    (re)sets each listed request's deadline and reaps expired ones."""
+    nixl = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler")
+    pull_s = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler")
+    pull_w = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker")
+    bw = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    base_s = nixl.NixlBaseConnectorScheduler
+    assert "self._reqs_need_send: dict[ReqId, float] = {}" in inspect.getsource(base_s.__init__)
+    assert "meta.reqs_to_send = self._reqs_need_send" in \
+        inspect.getsource(base_s.build_connector_meta)
+    assert "self._reqs_need_send[request.request_id] = (" in \
+        inspect.getsource(pull_s.NixlPullConnectorScheduler.request_finished)
+    start = inspect.getsource(pull_w.NixlPullConnectorWorker.start_load_kv)
+    assert "for req_id, expiration_time in metadata.reqs_to_send.items():" in start
+    assert "self._reqs_to_send[req_id] = expiration_time" in start
+    assert "now >= expires" in inspect.getsource(bw.NixlBaseConnectorWorker._reap_expired_send_leases)
+
+    class Sched:
+        _reqs_need_send = {"r": 1.0}
+
+    class Conn:
+        connector_scheduler = Sched()
+
+    assert compat.nixl_pending_sends(Conn()) == {"r": 1.0}
