@@ -1,0 +1,66 @@
+"""Live tiered-adaptive (kvtier.cost.hold): per-conversation hold times from observed waits."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cost.hold import HoldPolicy
+from kvtier.cost.model import CostModel, LinkModel
+
+
+def _cost() -> CostModel:
+    # a device read is much cheaper than recomputing; a host copy is slower than the device read
+    return CostModel(kv_bytes_per_token=2048, prefill_a_s=0.01, prefill_b_s_per_token=2e-4,
+                     prefill_c_s_per_token_ctx=2e-8, decode_s_per_token=0.002, block_size=32,
+                     reads={"dp_read": LinkModel(setup_s=0.004, bytes_per_s=4e9),
+                            "p2p": LinkModel(setup_s=0.02, bytes_per_s=1e9)})
+
+
+def test_no_waits_yet_holds_the_default():
+    c = HoldPolicy(_cost(), host_copy=False, default_hold_s=30).choose("a")
+    assert (c.hold_s, c.basis, c.samples) == (30, "default", 0)
+
+
+def test_conversations_with_short_and_long_waits_get_different_holds():
+    p = HoldPolicy(_cost(), host_copy=False, min_samples=3, horizon_s=60)
+    for _ in range(4):
+        p.observe("quick", 2.0, 2000)     # tools answer in seconds
+        p.observe("slow", 300.0, 2000)    # a human in the loop
+    quick, slow = p.choose("quick"), p.choose("slow")
+    assert quick.basis == slow.basis == "conversation"
+    assert quick.hold_s == pytest.approx(2.0 * 1.2) and quick.covers_wait_s == 2.0
+    # holding 2,000 tokens for 5 minutes costs more than recomputing them: released at once
+    assert slow.hold_s == 0.0 and "no device retention" in slow.explanation
+
+
+def test_a_new_conversation_is_judged_on_the_fleet():
+    p = HoldPolicy(_cost(), host_copy=False, min_samples=3, horizon_s=60)
+    for w in (1.0, 2.0, 3.0):
+        p.observe("other", w, 2000)
+    c = p.choose("new")
+    assert c.basis == "fleet" and c.samples == 3 and c.hold_s == pytest.approx(3.0 * 1.2)
+
+
+def test_a_host_copy_as_fast_as_the_device_read_means_no_hold():
+    c = _cost()
+    same = c.model_copy(update={"reads": {"dp_read": c.reads["dp_read"],
+                                          "p2p": c.reads["dp_read"]}})
+    p = HoldPolicy(same, host_copy=True, min_samples=1)
+    p.observe("a", 2.0, 2000)
+    assert p.choose("a").hold_s == 0.0
+
+
+def test_conversation_memory_is_bounded():
+    p = HoldPolicy(_cost(), host_copy=False, max_conversations=2)
+    for conv in ("a", "b", "c"):
+        p.observe(conv, 1.0, 100)
+    assert set(p._conv) == {"b", "c"}
+
+
+def test_needs_a_device_read_link():
+    c = _cost()
+    with pytest.raises(ValueError, match="dp_read"):
+        HoldPolicy(CostModel(kv_bytes_per_token=2048, prefill_a_s=0.01,
+                             prefill_b_s_per_token=2e-4, prefill_c_s_per_token_ctx=2e-8,
+                             decode_s_per_token=0.002, block_size=32, reads={"p2p": c.reads["p2p"]}),
+                   host_copy=True)
