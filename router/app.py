@@ -13,9 +13,16 @@ KV). Error answers carry them when a prefill leg had answered before the error.
 
 Every client error is a 4xx with an OpenAI-style ``{"error": {...}}`` body;
 engine 4xx answers are relayed; only upstream failures the router cannot
-recover from become 502/503. A client that disconnects cancels the upstream
-request (non-streaming: the awaiting task is cancelled; streaming: the relay
-generator is closed, which closes the engine connection and vLLM aborts).
+recover from become 502/503. A body larger than ``max_body_bytes`` is refused
+(413) from its Content-Length, or as soon as that many bytes streamed in, never
+read whole. A client that disconnects cancels the upstream request (until the
+answer starts: the server's own ``http.disconnect`` message, awaited, not polled;
+streaming: the relay generator is closed, which closes the engine connection and
+vLLM aborts).
+
+Engines see an allow-list of headers (``requests.forward_headers``): the router's
+own request id (also returned as ``x-request-id``; the client's is only logged, as
+``client_request_id``), W3C trace context, and the engine API key when configured.
 
 Threading model: one event loop; the ``Router`` (store, pool, metrics) lives in
 ``app.state.router`` and is only touched from that loop.
@@ -35,13 +42,14 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Reply, Router, tenant_of
 from kvtier.router.legs import EngineClientError, UpstreamError
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.requests import BadRequest, Endpoint, parse_inbound, strip_headers
+from kvtier.router.requests import BadRequest, Endpoint, forward_headers, parse_inbound
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import Route
 
 from kvtier.wire.reuse_headers import ReuseReport
 
@@ -82,18 +90,19 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
                             status_code=status, headers=_reuse_headers(reuse))
 
+    log_requests = config.log_requests
+    engine_key = config.engine_api_key
+
     async def serve(request: Request, endpoint: Endpoint) -> Response:
         t0 = time.perf_counter()
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        rid = uuid.uuid4().hex[:24]
         m = router.metrics
         tenant = authorize(request)
         if tenant is None:
             m.requests.labels(endpoint.value, "401").inc()
             return error(401, "missing or invalid bearer token", "authentication_error")
-        raw_bytes = await request.body()
         try:
-            if len(raw_bytes) > config.max_body_bytes:
-                raise BadRequest("request body too large", status=413)
+            raw_bytes = await _read_body(request, config.max_body_bytes)
             try:
                 raw = json.loads(raw_bytes)
             except (ValueError, RecursionError):
@@ -104,49 +113,65 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             m.bad_requests.inc()
             m.requests.labels(endpoint.value, str(e.status)).inc()
             return JSONResponse(e.body(), status_code=e.status)
-        fwd = strip_headers(dict(request.headers))
-        fwd["x-request-id"] = rid
+        fwd = forward_headers(headers, rid, engine_key)
         stream_label = "true" if inb.stream else "false"
-        task = asyncio.ensure_future(router.handle(inb, tenant, fwd))
+        gone = _Disconnect(request)
         try:
-            reply = await _until_disconnect(request, task)
+            reply: Reply | None = await router.handle(inb, tenant, fwd)
+        except asyncio.CancelledError:
+            if not gone.left():
+                raise
+            reply = None  # the client left: the upstream call under us was cancelled
         except EngineClientError as e:
+            gone.close()
             m.requests.labels(endpoint.value, str(e.status)).inc()
-            return JSONResponse(e.body, status_code=e.status, headers=_reuse_headers(e.reuse))
+            return JSONResponse(e.body, status_code=e.status,
+                                headers={**_reuse_headers(e.reuse), "x-request-id": rid})
         except UpstreamError as e:
+            gone.close()
             m.requests.labels(endpoint.value, "502").inc()
             log.error("request failed", extra={"request_id": rid,
                       "conversation_id": inb.conversation, "error": str(e)})
             return error(502, f"no engine could serve the request: {e}", "upstream_error",
                          e.reuse)
+        except BaseException:
+            gone.close()
+            raise
         if reply is None:
             m.client_disconnects.inc()
             m.requests.labels(endpoint.value, "499").inc()
             return Response(status_code=499)
-        fields = {"request_id": rid, "conversation_id": inb.conversation,
-                  "endpoint": endpoint.value, "stream": inb.stream, **reply.info,
-                  "reuse_path": reply.reuse.path.value, "reuse_tokens": reply.reuse.tokens,
-                  "outcome": reply.reuse.outcome.value}
+        fields: dict[str, Any] | None = None
+        if log_requests and log.isEnabledFor(logging.INFO):
+            fields = {"request_id": rid, "conversation_id": inb.conversation,
+                      "endpoint": endpoint.value, "stream": inb.stream, **reply.info,
+                      "reuse_path": reply.reuse.path.value, "reuse_tokens": reply.reuse.tokens,
+                      "outcome": reply.reuse.outcome.value}
+            client_rid = headers.get("x-request-id")
+            if client_rid:
+                fields["client_request_id"] = client_rid[:128]
+        out_headers = {**_reuse_headers(reply.reuse), "x-request-id": rid}
         if reply.stream is None:
+            gone.close()
             dt = time.perf_counter() - t0
             m.ttft.labels(endpoint.value, stream_label).observe(dt)
             m.e2e.labels(endpoint.value, stream_label).observe(dt)
             m.requests.labels(endpoint.value, str(reply.status)).inc()
-            log.info("served", extra={**fields, "ms": round(dt * 1e3, 2)})
-            return JSONResponse(reply.json, status_code=reply.status,
-                                headers=_reuse_headers(reply.reuse))
-        return StreamingResponse(_timed(reply.stream, m, endpoint, stream_label, t0, fields),
-                                 media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache",
-                                          **_reuse_headers(reply.reuse)})
+            if fields is not None:
+                log.info("served", extra={**fields, "ms": round(dt * 1e3, 2)})
+            return JSONResponse(reply.json, status_code=reply.status, headers=out_headers)
+        return _SSEResponse(_timed(reply.stream, m, endpoint, stream_label, t0, fields),
+                            gone, headers={"cache-control": "no-cache", **out_headers})
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await serve(request, Endpoint.CHAT)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, Endpoint.COMPLETIONS)
+
+    # Plain Starlette routes: the hot path needs no FastAPI dependency solving.
+    app.router.routes.append(Route("/v1/chat/completions", chat, methods=["POST"]))
+    app.router.routes.append(Route("/v1/completions", completions, methods=["POST"]))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -165,17 +190,34 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
 
     @app.get("/healthz")
     async def healthz() -> Response:
+        """200 while a decode instance is admitted (the router can answer); ``down`` names
+        each dependency that is not answering (decode, prefill, store, indexer): without
+        the store or the indexer the router serves, without reuse or KV-aware choice."""
         pool = router.pool
         inst = {i.name: {"role": i.cfg.role.value, "url": i.url, "healthy": i.healthy,
-                         "in_flight": i.in_flight} for i in pool.all()}
-        ok = any(i.healthy for i in pool.decode)
-        return JSONResponse({"status": "ok" if ok else "degraded", "instances": inst,
-                             "conversations": len(router.store)},
+                         "ejected": i.ejected, "in_flight": i.in_flight} for i in pool.all()}
+        store = router.store
+        stats = await store.astats()
+        deps: dict[str, Any] = {
+            "store": {"backend": store.name, "ok": store.ok, "error": store.error},
+            "indexer": ({"url": config.indexer, "ok": router.legs.indexer_ok}
+                        if config.indexer else None),
+        }
+        down = [name for name, ok in (
+            ("decode", any(i.healthy for i in pool.decode)),
+            ("prefill", not pool.prefill or any(i.healthy for i in pool.prefill)),
+            ("store", store.ok),
+            ("indexer", config.indexer is None or router.legs.indexer_ok is not False),
+        ) if not ok]
+        ok = "decode" not in down
+        return JSONResponse({"status": "ok" if not down else "degraded", "down": down,
+                             "instances": inst, "dependencies": deps,
+                             "conversations": stats.entries},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        router._refresh_gauges()
+        await router.refresh_gauges()
         return Response(generate_latest(router.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
@@ -186,31 +228,106 @@ def _reuse_headers(reuse: ReuseReport | None) -> dict[str, str]:
     return reuse.headers() if reuse is not None else {}
 
 
-async def _until_disconnect(request: Request, task: asyncio.Future[Reply]) -> Reply | None:
-    """Await ``task``; cancel it (and the engine call under it) if the client leaves."""
-    async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.05)
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) from its Content-Length or once ``limit`` bytes streamed in."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            n = int(declared)
+        except ValueError:
+            raise BadRequest("invalid Content-Length") from None
+        if n > limit:
+            raise BadRequest(f"request body too large ({n} > {limit} bytes)", status=413)
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"request body too large (> {limit} bytes)", status=413)
+        parts.append(chunk)
+    return b"".join(parts)
 
-    watcher = asyncio.ensure_future(watch())
-    both: set[asyncio.Future[Any]] = {task, watcher}
-    try:
-        done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    return None
+
+class _Disconnect:
+    """Cancels the request's task when the client leaves, until ``close()``.
+
+    The body is read, so the next ASGI message the server hands over is
+    ``http.disconnect``: one task awaits it (the server wakes it; nothing polls) for the
+    whole request, the streamed answer included, instead of a watcher per phase."""
+
+    def __init__(self, request: Request) -> None:
+        self.gone = False
+        self._task = asyncio.current_task()
+        self._watcher: asyncio.Task[None] | None = asyncio.ensure_future(
+            self._watch(request.receive))
+
+    async def _watch(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self._watcher = None
+        if self._task is not None:
+            self._task.cancel()
+
+    def left(self) -> bool:
+        """After a CancelledError: True if it was this (then the cancel is absorbed)."""
+        if not self.gone:
+            return False
+        task = self._task
+        if task is not None:
+            task.uncancel()
+        return True
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        self._task = None
+
+
+class _SSEResponse(Response):
+    """A text/event-stream answer sent from the request's own task (Starlette's
+    StreamingResponse runs two more tasks in an anyio task group per response to hear a
+    disconnect; ``_Disconnect`` already does)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], gone: _Disconnect,
+                 headers: dict[str, str]) -> None:
+        # No body attribute: no Content-Length (Response.__init__ would set 0).
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+        self.body_iterator = body
+        self.gone = gone
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = self.body_iterator
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self.raw_headers})
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            # Stop listening first: the server answers "disconnect" once the response is
+            # complete, and that must not cancel us.
+            self.gone.close()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not self.gone.left():
+                raise
+        except OSError:
+            pass  # the client's connection broke: the relay is closed below
+        finally:
+            self.gone.close()
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(BaseException):
+                    await aclose()
 
 
 async def _timed(stream: AsyncIterator[bytes], m: RouterMetrics, endpoint: Endpoint,
-                 stream_label: str, t0: float, fields: dict[str, Any]) -> AsyncIterator[bytes]:
+                 stream_label: str, t0: float,
+                 fields: dict[str, Any] | None) -> AsyncIterator[bytes]:
     first = True
     status = "200"
     try:
@@ -227,7 +344,8 @@ async def _timed(stream: AsyncIterator[bytes], m: RouterMetrics, endpoint: Endpo
         dt = time.perf_counter() - t0
         m.e2e.labels(endpoint.value, stream_label).observe(dt)
         m.requests.labels(endpoint.value, status).inc()
-        log.info("served", extra={**fields, "ms": round(dt * 1e3, 2)})
+        if fields is not None:
+            log.info("served", extra={**fields, "ms": round(dt * 1e3, 2)})
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):

@@ -2,10 +2,19 @@
 
     kvtier router --config FILE
     kvtier router --prefill URL [--prefill URL ...] --decode URL [...] \\
-                  [--indexer URL] [--host 127.0.0.1] [--port 8000] [--api-key KEY ...]
+                  [--indexer URL] [--host 127.0.0.1] [--port 8000] [--api-key KEY ...] \\
+                  [--store memory|redis://HOST:PORT/DB] [--workers N]
 
 Flags are turned into a ``RouterConfig`` once; flags given next to ``--config``
 override the file's values.
+
+``--workers N`` (N > 1) serves the port from N processes (uvicorn's supervisor binds it once
+and each worker accepts on it); each worker builds its app from the validated config
+(``worker_app``), and the conversation store is their shared state, so N > 1 needs
+``--store redis://...`` (refused with the memory store: a turn landing on another worker
+would silently lose its reuse).
+
+Threading model: the CLI runs in the main thread; each process serves one event loop.
 """
 
 from __future__ import annotations
@@ -13,11 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the router's modules load only when `kvtier router` runs
+    from fastapi import FastAPI
     from kvtier.router.config import RouterConfig
+
+_CONFIG_ENV = "KVTIER_ROUTER_CONFIG_JSON"  # the config handed to --workers processes
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -53,18 +66,74 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--cost-model", default=None, dest="cost_model", metavar="FILE",
                     help="cost model JSON (kvtier calibrate --out): pick the reuse path per "
                          "turn by expected TTFT and hand the prefill only that path's params")
+    ap.add_argument("--store", default=None, metavar="memory|redis://HOST:PORT/DB",
+                    help="conversation store (default memory; redis is shared by routers "
+                         "and workers)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="processes serving the port (default 1; >1 needs --store redis://)")
+    ap.add_argument("--engine-api-key", default=None, dest="engine_api_key",
+                    help="bearer token sent to engines (their --api-key)")
+    ap.add_argument("--prefill-timeout", type=float, default=None, metavar="S",
+                    help="whole prefill leg, seconds (default 60)")
+    ap.add_argument("--decode-idle-timeout", type=float, default=None, metavar="S",
+                    help="longest gap between two bytes of a decode leg, seconds (default 120)")
     ap.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     from kvtier.router.config import RouterConfig, load_config
 
-    overrides = {k: getattr(args, k) for k in (
+    overrides = {k: getattr(args, k, None) for k in (
         "prefill", "decode", "indexer", "host", "port", "api_keys", "block_size",
-        "decode_kv_ttl_s", "stream_capture", "cost_model")}
+        "decode_kv_ttl_s", "stream_capture", "cost_model", "store", "workers",
+        "engine_api_key")}
+    timeouts = {k: v for k, v in (("prefill_s", getattr(args, "prefill_timeout", None)),
+                                  ("decode_idle_s", getattr(args, "decode_idle_timeout", None)))
+                if v is not None}
     if args.config:
-        return load_config(args.config, **overrides)
-    return RouterConfig.model_validate({k: v for k, v in overrides.items() if v is not None})
+        cfg = load_config(args.config, **overrides)
+        if timeouts:
+            merged = {**cfg.timeouts.model_dump(), **timeouts}
+            cfg = RouterConfig.model_validate({**cfg.model_dump(), "timeouts": merged})
+        return cfg
+    raw = {k: v for k, v in overrides.items() if v is not None}
+    if timeouts:
+        raw["timeouts"] = timeouts
+    return RouterConfig.model_validate(raw)
+
+
+def _setup_logging(cfg: RouterConfig) -> None:
+    if cfg.log_json:
+        h = logging.StreamHandler()
+        h.setFormatter(JsonFormatter())
+        root = logging.getLogger()
+        root.handlers[:] = [h]
+        if root.level == logging.NOTSET or root.level > logging.INFO:
+            root.setLevel(logging.INFO)
+    # httpx logs every upstream request at INFO: one line per leg is noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _freeze() -> None:
+    """A router process's imports and app live as long as it does: keep them out of the
+    cyclic collector's generations so its pauses (a request's p99) stay short."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def worker_app() -> FastAPI:
+    """The app of one ``--workers`` process (a uvicorn factory): the parent's validated
+    config, from the environment."""
+    from kvtier.router.app import create_app
+    from kvtier.router.config import RouterConfig
+
+    cfg = RouterConfig.model_validate_json(os.environ[_CONFIG_ENV])
+    _setup_logging(cfg)
+    app = create_app(cfg)
+    _freeze()
+    return app
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,13 +146,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError, OSError) as e:
         print(f"kvtier router: bad configuration: {e}", file=sys.stderr)
         return 2
-    if cfg.log_json:
-        h = logging.StreamHandler()
-        h.setFormatter(JsonFormatter())
-        root = logging.getLogger()
-        root.handlers[:] = [h]
-    # httpx logs every upstream request at INFO: one line per leg is noise.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _setup_logging(cfg)
+    if cfg.workers > 1:
+        os.environ[_CONFIG_ENV] = cfg.model_dump_json()
+        uvicorn.run("kvtier.router.cli:worker_app", factory=True, workers=cfg.workers,
+                    host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+        return 0
     app = create_app(cfg)
+    _freeze()
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
     return 0

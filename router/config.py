@@ -51,16 +51,24 @@ class InstanceConfig(BaseModel):
 
 
 class Timeouts(BaseModel):
+    """Per-leg limits. A leg that times out counts against its instance: after
+    ``eject_after_failures`` in a row the instance is ejected, whatever its ``/health``
+    says, and only a successful leg readmits it (see pool.py)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     connect_s: float = Field(default=2.0, gt=0)
-    # Whole prefill leg (one forward pass plus an optional D->P read).
+    # Whole prefill leg (one forward pass over the prompt plus an optional D->P read): an
+    # agent's long prompt (100k tokens) must fit, so this is generous.
     prefill_s: float = Field(default=60.0, gt=0)
-    # Gap between two bytes from a decode leg (and the first byte).
+    # Gap between two bytes from a decode leg (and the first byte): not the turn's length,
+    # so a long agent turn that keeps streaming never times out.
     decode_idle_s: float = Field(default=120.0, gt=0)
     tokenize_s: float = Field(default=10.0, gt=0)
     indexer_s: float = Field(default=0.25, gt=0)
     health_s: float = Field(default=5.0, gt=0)
+    # One conversation-store call (Redis): past it the turn is served without reuse.
+    store_s: float = Field(default=0.5, gt=0)
 
 
 class RouterConfig(BaseModel):
@@ -113,6 +121,36 @@ class RouterConfig(BaseModel):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     timeouts: Timeouts = Timeouts()
     log_json: bool = True
+    # The per-request ``served`` log line (INFO); off, or the logger above INFO, it costs
+    # nothing.
+    log_requests: bool = True
+    # Conversation store: "memory" (this process) or "redis://HOST:PORT/DB" (shared by
+    # routers and workers; entries keep their TTL in Redis, a take is atomic).
+    store: str = "memory"
+    store_namespace: str = Field("kvtier:router", min_length=1, max_length=128)
+    # Processes serving the port (`kvtier router --workers N`); N > 1 needs a shared store.
+    workers: int = Field(1, ge=1, le=256)
+    # Sent to engines as `Authorization: Bearer ...` (vLLM --api-key); clients' tokens
+    # never are.
+    engine_api_key: str | None = None
+    # Upstream connections per engine instance (bounded pool, kept alive).
+    pool_max_connections: int = Field(256, ge=1)
+    pool_keepalive_s: float = Field(30.0, gt=0)
+    # The HTTP client of the engine legs: aiohttp when installed ("auto"), or httpx.
+    upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"
+    # An instance ejected for failed legs is offered one probe leg this often; the first
+    # successful leg readmits it (its /health answering does not).
+    readmit_probe_s: float = Field(5.0, gt=0)
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if v == "memory":
+            return v
+        p = urlparse(v)
+        if p.scheme not in ("redis", "rediss", "unix") or not (p.netloc or p.path):
+            raise ValueError(f"store must be 'memory' or redis://HOST:PORT/DB, got {v!r}")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +185,11 @@ class RouterConfig(BaseModel):
             raise ValueError("at least one decode (or both) instance is required")
         if self.ttl_margin_s >= self.decode_kv_ttl_s:
             raise ValueError("ttl_margin_s must be below decode_kv_ttl_s")
+        if self.workers > 1 and self.store == "memory":
+            raise ValueError(
+                f"workers={self.workers} with the memory store: each worker would keep its own "
+                "conversations and a turn landing on another worker would lose its reuse; "
+                "use a shared store (store: redis://HOST:PORT/DB) or workers: 1")
         return self
 
     @property

@@ -35,8 +35,16 @@ when they may be the cause); when no prefill works the request is recomputed
 on one instance (direct mode); when no decode works, the same. Engine 4xx
 answers go back to the client unchanged.
 
+Streams: a streaming leg reaches the client only after its first event proved sane
+(``legs.open_stream``); after that, garbage, a broken connection or an end without
+``[DONE]`` become an in-band error event and ``[DONE]``, never a silently cut 200.
+
+The conversation store is a ``store.ConversationBackend`` (``memory`` or ``redis://``);
+an unavailable one finds nothing and keeps nothing, and the turn is served anyway.
+
 Threading model: one ``Router`` per app, driven by its event loop. The store,
-pool and metrics are only touched from that loop.
+pool and metrics are only touched from that loop (a Redis store's calls are awaited
+there too).
 """
 
 from __future__ import annotations
@@ -54,8 +62,9 @@ from typing import Any
 import httpx
 from kvtier.router.config import RouterConfig
 from kvtier.router.feed import ParamsFeed
-from kvtier.router.legs import EngineClientError, Legs, UpstreamError
+from kvtier.router.legs import EngineClientError, Legs, StreamBroken, UpstreamError
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.plan import plan as _plan
 from kvtier.router.pool import InstancePool, InstanceState
 from kvtier.router.requests import (
     Endpoint,
@@ -66,13 +75,25 @@ from kvtier.router.requests import (
     tokenize_body,
 )
 from kvtier.router.retry import Attempts, Exhausted, Failure, RetryPolicies
-from kvtier.router.sse import DONE, chat_events, completion_events, strip_params
-from kvtier.router.store import ConversationStore, RetainedKV, ReuseDecision, prove_prefix
+from kvtier.router.sse import (
+    DONE,
+    Garbage,
+    chat_events,
+    completion_events,
+    error_event,
+    strip_params,
+)
+from kvtier.router.store import (
+    ConversationBackend,
+    ConversationStore,
+    RetainedKV,
+    ReuseDecision,
+    open_store,
+    prove_prefix,
+)
 
-from kvtier.cost.decide import Offer, decide
-from kvtier.cost.model import CostModel
 from kvtier.ids import ConversationId, Outcome, PodId, ReusePath
-from kvtier.transfer_params import KVTransferParams, NixlParams, RemoteKVSource
+from kvtier.transfer_params import KVTransferParams, NixlParams
 from kvtier.wire.params_feed import FinishedParams, new_tag
 from kvtier.wire.reuse_headers import ReuseReport
 
@@ -112,9 +133,16 @@ class Router:
         self.cfg = config
         self.metrics = RouterMetrics()
         self.pool = InstancePool(config.prefill_instances, config.decode_instances,
-                                 config.eject_after_failures)
-        self.store = ConversationStore(config.store_max_entries, config.store_max_bytes,
-                                       block_size=config.block_size)
+                                 config.eject_after_failures, config.readmit_probe_s,
+                                 on_eject=self._ejected)
+        self.store: ConversationBackend = open_store(
+            config.store, max_entries=config.store_max_entries,
+            max_bytes=config.store_max_bytes, block_size=config.block_size,
+            ttl_s=config.entry_ttl_s, namespace=config.store_namespace,
+            timeout_s=config.timeouts.store_s, on_call=self._store_call)
+        self.metrics.store_backend.labels(self.store.name).set(1)
+        self._dropped_seen = (0, 0)  # the store's (evicted, expired) already counted
+        self._bg: set[asyncio.Task[Any]] = set()
         self.retry = RetryPolicies.from_max_retries(config.max_retries)
         self.legs = Legs(config, self.pool, self.metrics, self._pod_down, transport)
         self.client = self.legs.client  # health checks and /v1/models share it
@@ -136,26 +164,63 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._health_task
         await self.legs.aclose()
+        for t in list(self._bg):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.store.aclose()
 
     async def _health_loop(self) -> None:
         while True:
             await self.pool.check_all(self.client, self.cfg.timeouts.health_s)
-            self._refresh_gauges()
+            await self.refresh_gauges()
             await asyncio.sleep(self.cfg.health_interval_s)
 
-    def _refresh_gauges(self) -> None:
+    async def refresh_gauges(self) -> None:
         m = self.metrics
         for inst in self.pool.all():
             m.healthy.labels(inst.name, inst.cfg.role.value).set(1 if inst.healthy else 0)
             m.in_flight.labels(inst.name).set(inst.in_flight)
-        m.conversations.set(len(self.store))
-        m.store_bytes.set(self.store.nbytes)
+        st = await self.store.astats()
+        m.conversations.set(st.entries)
+        if st.nbytes is not None:
+            m.store_bytes.set(st.nbytes)
+        ev, ex = self._dropped_seen
+        if st.evicted > ev:
+            m.store_dropped.labels("evicted").inc(st.evicted - ev)
+        if st.expired > ex:
+            m.store_dropped.labels("expired").inc(st.expired - ex)
+        self._dropped_seen = (max(ev, st.evicted), max(ex, st.expired))
+        m.store_up.set(1 if self.store.ok else 0)
+        m.dependency_up.labels("store").set(1 if self.store.ok else 0)
+        if self.legs.indexer_ok is not None:
+            m.dependency_up.labels("indexer").set(1 if self.legs.indexer_ok else 0)
+
+    def _store_call(self, op: str, seconds: float | None) -> None:
+        if seconds is None:
+            self.metrics.store_errors.labels(op).inc()
+        else:
+            self.metrics.store_latency.labels(op).observe(seconds)
+
+    def _ejected(self, inst: InstanceState, reason: str) -> None:
+        self.metrics.ejections.labels(inst.name, reason).inc()
+        self.metrics.healthy.labels(inst.name, inst.cfg.role.value).set(0)
 
     def _pod_down(self, pod: PodId) -> None:
         """``pod`` refused a connection: it is gone, and the KV it retained with it."""
-        dropped = self.store.discard_pod(pod)
+        if isinstance(self.store, ConversationStore):
+            self._dropped_pod(self.store.discard_pod(pod))
+            return
+
+        async def discard() -> None:
+            self._dropped_pod(await self.store.adiscard_pod(pod))
+        t = asyncio.get_running_loop().create_task(discard())
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    def _dropped_pod(self, dropped: int) -> None:
         if dropped:
             self.metrics.params_dropped.labels("decode_down").inc(dropped)
+            self.metrics.store_dropped.labels("decode_down").inc(dropped)
 
     # ---- entry point -----------------------------------------------------
     async def handle(self, inb: Inbound, tenant: str, headers: dict[str, str]) -> Reply:
@@ -167,19 +232,22 @@ class Router:
         conv = inb.conversation
         entry: RetainedKV | None = None
         refusal: str | None = None
+        store = self.store
         if conv is not None:
-            entry, expired = self.store.take(tenant, conv)
+            entry, expired = await store.atake(tenant, conv)
+            self._looked_up(entry, expired, "named")
             if expired:
                 self.metrics.params_dropped.labels("expired").inc()
                 decision = ReuseDecision(Outcome.EXPIRED, None, 0)
                 refusal = Refusal.EXPIRED
-        if entry is None and self.cfg.implicit_sessions and len(self.store):
+        if entry is None and self.cfg.implicit_sessions and store.ok and store.may_hold():
             # No (live) named entry: the conversation this prompt provably continues, if any.
             if ids is None:
                 ids = await self._tokenize(inb, headers)
-            found = self.store.find(tenant, ids) if ids is not None else None
+            found = await store.afind(tenant, ids) if ids is not None else None
             if found is not None:
-                entry, _ = self.store.take(tenant, found)
+                entry, expired = await store.atake(tenant, found)
+                self._looked_up(entry, expired, "implicit")
                 conv = conv or found
         if entry is not None:
             if ids is None:
@@ -188,6 +256,11 @@ class Router:
         if conv is None and self.cfg.implicit_sessions:
             conv = ConversationId("~" + uuid.uuid4().hex[:20])
         return await self._pd(inb, headers, tenant, conv, ids, decision, refusal)
+
+    def _looked_up(self, entry: RetainedKV | None, expired: bool, session: str) -> None:
+        result = ("hit" if entry is not None else "expired" if expired
+                  else "miss" if self.store.ok else "unavailable")
+        self.metrics.store_lookups.labels(result, session).inc()
 
     def _prove(self, entry: RetainedKV, ids: tuple[int, ...] | None,
                ) -> tuple[ReuseDecision, str | None]:
@@ -350,7 +423,7 @@ class Router:
                 choices = resp.get("choices") or []
                 gen = choices[0].get("token_ids") if choices else None
                 if params_of is not None and isinstance(gen, list):
-                    self._retain(conv, tenant, d, params_of, [*ids, *gen], len(ids))
+                    await self._retain(conv, tenant, d, params_of, [*ids, *gen], len(ids))
             return self._answer(inb, resp, info, report)
         return await self._exhausted(run, None, inb, headers, report.outcome)
 
@@ -364,18 +437,37 @@ class Router:
         inline: list[dict[str, Any]] = []
         done = False
         try:
-            async for event in strip_params(stream, inline.append):
-                if tag is not None and event == DONE:
-                    done = True
-                    continue
-                yield event
+            try:
+                async for events in strip_params(stream, inline.append):
+                    if events.endswith(DONE):
+                        done = True
+                        if tag is not None:
+                            events = events[:-len(DONE)]
+                            if not events:
+                                continue
+                    yield events
+            except Garbage as e:
+                self.legs.midstream("decode", d, f"not SSE: {e}")
+                yield error_event("upstream decode sent a malformed stream")
+                yield DONE
+                return
+            except StreamBroken as e:
+                yield error_event(str(e))
+                yield DONE
+                return
+            if not done:
+                # The engine's stream ended without [DONE]: it died or was cut.
+                self.legs.midstream("decode", d, "stream ended without [DONE]")
+                yield error_event("upstream decode ended the stream early")
+                yield DONE
+                return
             if inline:
                 self.metrics.params_in_stream.inc(len(inline))
             if tag is not None and conv is not None:
                 msg = await self.feed.wait(d.name, tag, self.cfg.params_wait_s)
                 if msg is not None:
-                    self._retain_finished(conv, tenant, d, ids, msg)
-            if done:
+                    await self._retain_finished(conv, tenant, d, ids, msg)
+            if tag is not None:
                 yield DONE
         finally:
             if tag is not None:
@@ -385,22 +477,22 @@ class Router:
                 with contextlib.suppress(Exception):
                     await aclose()
 
-    def _retain_finished(self, conv: ConversationId, tenant: str, d: InstanceState,
-                         ids: tuple[int, ...] | None, msg: FinishedParams) -> None:
+    async def _retain_finished(self, conv: ConversationId, tenant: str, d: InstanceState,
+                               ids: tuple[int, ...] | None, msg: FinishedParams) -> None:
         """Keep what the decode node's feed said it retained for this leg."""
         params = KVTransferParams.from_wire(msg.kv_transfer_params)
         tokens = msg.token_ids
         if params is None or (ids is not None and tokens[:len(ids)] != ids):
             return  # not the prompt this router proved and sent: do not trust it
-        self._retain(conv, tenant, d, params, list(tokens), len(ids) if ids else 0)
+        await self._retain(conv, tenant, d, params, list(tokens), len(ids) if ids else 0)
 
-    def _retain(self, conv: ConversationId, tenant: str, d: InstanceState,
-                params: KVTransferParams, token_ids: list[int], prompt_len: int) -> None:
+    async def _retain(self, conv: ConversationId, tenant: str, d: InstanceState,
+                      params: KVTransferParams, token_ids: list[int], prompt_len: int) -> None:
         if not params.nixl or not params.nixl.has_remote_blocks:
             return
         entry = RetainedKV.build(conv, tenant, d.name, params.nixl, token_ids,
                                  time.monotonic() + self.cfg.entry_ttl_s, prompt_len)
-        self.store.put(entry)
+        await self.store.aput(entry)
 
     def _answer(self, inb: Inbound, resp: dict[str, Any], info: dict[str, Any],
                 report: ReuseReport) -> Reply:
@@ -466,39 +558,6 @@ class Router:
                 return tuple(toks)
             return None
         return None
-
-
-def _plan(reuse: NixlParams | None, decision: ReuseDecision, source: RemoteKVSource | None,
-          matched: dict[PodId, int] | None, pod: PodId, prompt_tokens: int,
-          cost: CostModel | None,
-          ) -> tuple[ReusePath, int, NixlParams | None, RemoteKVSource | None]:
-    """The reuse path of a prefill leg on ``pod``, the prompt tokens it is to supply, and the
-    params to hand the prefill, by ``kvtier.cost.decide`` over what the decode node retains
-    (D->P), what a peer's host tier holds (p2p) and what the pod itself holds (local: the
-    indexer does not say whether in its device cache or its own host tier, so it is an offer,
-    not tokens the engine is known to skip).
-
-    With a cost model the chosen path's params alone go to the prefill (a read that does not
-    pay is not attempted); without one every path's params go, and the engine's connector
-    picks (vLLM's MultiConnector: the first child that offers tokens), which is the order
-    offered here."""
-    offers = []
-    if reuse is not None:
-        offers.append(Offer(ReusePath.DP_READ, decision.reused_tokens))
-    if source is not None:
-        offers.append(Offer(ReusePath.P2P, source.num_tokens))
-    local = (matched or {}).get(pod, 0)
-    if local:
-        offers.append(Offer(ReusePath.LOCAL, local))
-    if not offers or prompt_tokens <= 0:
-        return ReusePath.NONE, 0, reuse, source
-    d = decide(prompt_tokens, offers, cost=cost)
-    if cost is not None:
-        reuse = reuse if d.path == ReusePath.DP_READ else None
-        source = source if d.path == ReusePath.P2P else None
-    if d.path is None:
-        return ReusePath.NONE, 0, reuse, source
-    return ReusePath(d.path), d.tokens, reuse, source
 
 
 def _prompt_ids_of(endpoint: Endpoint, resp: dict[str, Any]) -> tuple[int, ...] | None:

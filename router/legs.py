@@ -1,15 +1,25 @@
 """Upstream I/O of the router: the HTTP legs to engines and the calls to the indexer.
 
-``Legs`` owns the app's one ``httpx.AsyncClient``. A leg either returns what the engine
-answered or raises:
+``Legs`` owns the app's upstream HTTP clients: ``upstream.Upstream`` for the engine legs
+(aiohttp when installed, else httpx; one bounded pool of kept-alive connections per engine
+instance, ``pool_max_connections`` / ``pool_keepalive_s``) and an httpx client for health
+checks, the indexer and ``/v1/models``. A leg either returns what the engine answered or
+raises:
 
 - ``EngineClientError``: the engine answered 4xx; the request itself is bad, the answer is
   relayed to the client as it is.
 - ``UpstreamError``: anything else (refused, timed out, broken, 5xx); its ``kind`` is a
   ``retry.Failure`` and ``flow`` decides, by its ``RetryPolicy``, where to try again.
 
-Every failure is counted (``upstream_errors``) and reported to the pool (ejection). A refused
-connection means the engine is gone, and with it the KV it retained: ``pod_down`` is told.
+Every failure is counted (``upstream_errors``) and reported to the pool: a refused
+connection ejects at once (the engine is gone, and with it the KV it retained: ``pod_down``
+is told); legs that time out or break count toward a ``legs`` ejection that only a
+successful leg lifts (``pool.leg_ok``).
+
+A streaming leg is not handed to the client until its first SSE event arrived and is an
+event vLLM would send (a ``data:`` JSON object, not an error): garbage, an error event, a
+timeout or a closed connection before it fail the leg like any other (retried, or a 502 with
+a message), because the client's 200 is not sent yet.
 Indexer calls never raise: an unavailable indexer is counted and the request served anyway.
 
 ``ReuseReport`` is what a prefill leg reused; it travels with the answer (and with an error
@@ -33,7 +43,14 @@ from kvtier.router.indexer_client import IndexerClient
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import InstancePool, InstanceState
 from kvtier.router.retry import Failure
-from kvtier.router.sse import DONE, error_event
+from kvtier.router.sse import first_event_problem
+from kvtier.router.upstream import (
+    AiohttpUpstream,
+    HttpxUpstream,
+    Upstream,
+    UpstreamIOError,
+    aiohttp_available,
+)
 
 from kvtier.ids import PodId
 from kvtier.transfer_params import RemoteKVSource
@@ -50,6 +67,10 @@ class UpstreamError(Exception):
         super().__init__(f"{leg} on {inst.name if inst else '-'}: {kind} {detail}".strip())
         self.leg, self.inst, self.kind = leg, inst, kind
         self.reuse: ReuseReport | None = None  # set when a prefill leg had answered
+
+
+class StreamBroken(Exception):
+    """A relayed stream's connection broke after its first event (already counted)."""
 
 
 class EngineClientError(Exception):
@@ -70,15 +91,26 @@ class Legs:
         self.metrics = metrics
         self._pod_down = pod_down
         t = config.timeouts
-        self.client = httpx.AsyncClient(
-            transport=transport,
-            timeout=httpx.Timeout(t.decode_idle_s, connect=t.connect_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-        )
+        n = config.pool_max_connections
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n,
+                              keepalive_expiry=config.pool_keepalive_s)
+        # Health checks, the indexer and /v1/models: light traffic, httpx.
+        self.client = httpx.AsyncClient(transport=transport, limits=limits,
+                                        timeout=httpx.Timeout(t.health_s, connect=t.connect_s))
+        urls = [i.url for i in pool.all()]
+        kind = config.upstream_client
+        if kind == "auto":
+            kind = "aiohttp" if transport is None and aiohttp_available() else "httpx"
+        self.upstream: Upstream = (
+            AiohttpUpstream(urls, t.connect_s, n, config.pool_keepalive_s)
+            if kind == "aiohttp" and transport is None
+            else HttpxUpstream(urls, t.connect_s, n, config.pool_keepalive_s, transport))
         self.indexer = (IndexerClient(config.indexer, self.client, t.indexer_s)
                         if config.indexer else None)
+        self.indexer_ok: bool | None = None  # the last indexer call's fate (None: none yet)
 
     async def aclose(self) -> None:
+        await self.upstream.aclose()
         await self.client.aclose()
 
     # ---- engines ---------------------------------------------------------
@@ -87,86 +119,108 @@ class Legs:
         """One non-streaming leg: the engine's JSON object answer."""
         with self.pool.busy(inst):
             try:
-                r = await self.client.post(inst.url + path, json=body, headers=headers,
-                                           timeout=self._timeout(timeout_s))
-            except httpx.HTTPError as e:
-                raise self._transport_failure(leg, inst, e) from None
-        if 400 <= r.status_code < 500:
-            raise EngineClientError(r.status_code, _json_or_text(r))
-        if r.status_code != 200:
-            raise self._fail(leg, inst, Failure.STATUS, r.status_code)
+                status, raw = await self.upstream.post(inst.url + path, _dumps(body), headers,
+                                                       timeout_s)
+            except UpstreamIOError as e:
+                raise self._io_failure(leg, inst, e) from None
+        if 400 <= status < 500:
+            raise EngineClientError(status, _json_or_text(status, raw))
+        if status != 200:
+            raise self._fail(leg, inst, Failure.STATUS, status)
         try:
-            out = r.json()
+            out = json.loads(raw)
         except ValueError as e:
             raise self._fail(leg, inst, Failure.PROTOCOL, e) from None
-        if not isinstance(out, dict):
-            raise self._fail(leg, inst, Failure.PROTOCOL, "non-object body")
-        if not inst.healthy:
-            self.pool.mark_ok(inst)
+        if not isinstance(out, dict) or (path.endswith("completions")
+                                          and not isinstance(out.get("choices"), list)):
+            raise self._fail(leg, inst, Failure.PROTOCOL, "not a completion object")
+        self.pool.leg_ok(inst)
         return out
 
     async def open_stream(self, inst: InstanceState, leg: str, path: str, body: dict[str, Any],
                           headers: dict[str, str]) -> AsyncIterator[bytes]:
-        """Open a streaming leg. Until its first byte it fails like any leg (and is retried);
+        """Open a streaming leg. Until its first event it fails like any leg (and is retried);
         the returned iterator relays the engine's bytes as they are."""
         held = contextlib.AsyncExitStack()
         # The instance counts as busy until the relay ends, not until this returns.
         held.enter_context(self.pool.busy(inst))
         try:
-            req = self.client.build_request("POST", inst.url + path, json=body, headers=headers,
-                                            timeout=self._timeout(self.cfg.timeouts.decode_idle_s))
             try:
-                resp = await self.client.send(req, stream=True)
-            except httpx.HTTPError as e:
-                raise self._transport_failure(leg, inst, e) from None
-            held.push_async_callback(resp.aclose)
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                if 400 <= resp.status_code < 500:
-                    try:
-                        err: Any = json.loads(raw)
-                    except ValueError:
-                        err = {"error": {"message": raw.decode(errors="replace")}}
-                    raise EngineClientError(resp.status_code, err)
-                raise self._fail(leg, inst, Failure.STATUS, resp.status_code)
+                resp = await self.upstream.open(inst.url + path, _dumps(body), headers,
+                                                self.cfg.timeouts.decode_idle_s)
+            except UpstreamIOError as e:
+                raise self._io_failure(leg, inst, e) from None
+            held.push_async_callback(resp.close)
+            if resp.status != 200:
+                try:
+                    raw = await resp.read()
+                except UpstreamIOError:
+                    raw = b""
+                if 400 <= resp.status < 500:
+                    raise EngineClientError(resp.status, _json_or_text(resp.status, raw))
+                raise self._fail(leg, inst, Failure.STATUS, resp.status)
+            chunks = resp.chunks()
+            head = await self._first_event(inst, leg, chunks)
         except BaseException:
             await held.aclose()
             raise
-        return self._relay(inst, leg, resp, held)
+        self.pool.leg_ok(inst)
+        return self._relay(inst, leg, head, chunks, held)
 
-    async def _relay(self, inst: InstanceState, leg: str, resp: httpx.Response,
+    async def _first_event(self, inst: InstanceState, leg: str,
+                           chunks: AsyncIterator[bytes]) -> bytes:
+        """Read up to the end of the stream's first SSE event and check it is one vLLM
+        would send; the bytes read so far (to be relayed first)."""
+        head = b""
+        try:
+            while b"\n\n" not in head:
+                try:
+                    head += await anext(chunks)
+                except StopAsyncIteration:
+                    raise self._fail(leg, inst, Failure.PROTOCOL,
+                                     "stream ended before its first event") from None
+                if len(head) > _MAX_FIRST_EVENT:
+                    raise self._fail(leg, inst, Failure.PROTOCOL, "no event boundary")
+        except UpstreamIOError as e:
+            raise self._io_failure(leg, inst, e) from None
+        problem = first_event_problem(head[:head.index(b"\n\n")])
+        if problem is not None:
+            kind = Failure.STATUS if problem == "error event" else Failure.PROTOCOL
+            raise self._fail(leg, inst, kind, f"first event: {problem}")
+        return head
+
+    async def _relay(self, inst: InstanceState, leg: str, head: bytes,
+                     chunks: AsyncIterator[bytes],
                      held: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
         async with held:
+            yield head
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in chunks:
                     yield chunk
-            except httpx.HTTPError as e:
-                # Mid-stream failure: bytes already reached the client, so say so
-                # in-band rather than cut the stream silently.
+            except UpstreamIOError as e:
+                # Mid-stream failure: bytes already reached the client; the relay above
+                # says so in-band (an error event and [DONE]) rather than cut it silently.
                 self._fail(leg, inst, Failure.MIDSTREAM, e)
-                yield error_event(f"upstream {leg} failed mid-stream")
-                yield DONE
+                raise StreamBroken(f"upstream {leg} failed mid-stream") from None
 
-    def _timeout(self, total_s: float) -> httpx.Timeout:
-        return httpx.Timeout(total_s, connect=self.cfg.timeouts.connect_s)
-
-    def _transport_failure(self, leg: str, inst: InstanceState,
-                           e: httpx.HTTPError) -> UpstreamError:
-        if isinstance(e, httpx.ConnectError):
-            return self._fail(leg, inst, Failure.CONNECT, e, hard=True)
-        if isinstance(e, httpx.TimeoutException):
-            return self._fail(leg, inst, Failure.TIMEOUT, e)
-        return self._fail(leg, inst, Failure.PROTOCOL, e)
+    def _io_failure(self, leg: str, inst: InstanceState, e: UpstreamIOError) -> UpstreamError:
+        return self._fail(leg, inst, e.kind, e, hard=e.kind is Failure.CONNECT)
 
     def _fail(self, leg: str, inst: InstanceState, kind: Failure, detail: object,
               hard: bool = False) -> UpstreamError:
         self.metrics.upstream_errors.labels(leg, kind).inc()
-        if kind in (Failure.CONNECT, Failure.TIMEOUT, Failure.PROTOCOL):
+        if kind is Failure.CONNECT:
             self.pool.mark_failed(inst, hard=hard)
             if hard:
                 self._pod_down(inst.name)
+        elif kind in (Failure.TIMEOUT, Failure.PROTOCOL, Failure.MIDSTREAM):
+            self.pool.leg_failed(inst)
         log.warning("upstream %s failed on %s: %s %s", leg, inst.name, kind, detail)
         return UpstreamError(leg, inst, kind, str(detail))
+
+    def midstream(self, leg: str, inst: InstanceState, detail: str) -> None:
+        """A relayed stream broke after its first event (seen by the caller)."""
+        self._fail(leg, inst, Failure.MIDSTREAM, detail)
 
     # ---- indexer ---------------------------------------------------------
     async def lookup(self, model: str, ids: Sequence[int]) -> dict[PodId, int] | None:
@@ -174,6 +228,7 @@ class Legs:
         if self.indexer is None:
             return None
         matched = await self.indexer.lookup(model, ids)
+        self.indexer_ok = matched is not None
         if matched is None:
             self.metrics.indexer_unavailable.labels("lookup").inc()
         return matched
@@ -185,13 +240,21 @@ class Legs:
             return None
         answered, source = await self.indexer.source(
             model, ids, target, self.cfg.min_cached_token_delta, self.cfg.block_size)
+        self.indexer_ok = answered
         if not answered:
             self.metrics.indexer_unavailable.labels("source").inc()
         return source
 
 
-def _json_or_text(r: httpx.Response) -> Any:
+_MAX_FIRST_EVENT = 1 << 20
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _json_or_text(status: int, raw: bytes) -> Any:
     try:
-        return r.json()
+        return json.loads(raw)
     except ValueError:
-        return {"error": {"message": r.text[:2000], "code": r.status_code}}
+        return {"error": {"message": raw[:2000].decode(errors="replace"), "code": status}}

@@ -61,3 +61,29 @@ class RouterMetrics:
                              ["instance", "role"], registry=r)
         self.in_flight = Gauge(p + "instance_in_flight", "Requests in flight per instance",
                                ["instance"], registry=r)
+        self.ejections = Counter(p + "instance_ejections", "Instances ejected, by cause "
+                                 "(health: failed checks or refused connection; legs: legs "
+                                 "timed out or broke in a row)", ["instance", "reason"],
+                                 registry=r)
+        # The conversation store (memory or redis).
+        self.store_backend = Gauge(p + "store_backend", "1 for the conversation store backend "
+                                   "in use", ["backend"], registry=r)
+        self.store_up = Gauge(p + "store_up", "1 while the conversation store answers",
+                              registry=r)
+        self.store_lookups = Counter(p + "store_lookups", "Conversation store takes by result "
+                                     "(hit, miss, expired, unavailable) and how the "
+                                     "conversation was named (named, implicit)",
+                                     ["result", "session"], registry=r)
+        self.store_dropped = Counter(p + "store_dropped", "Entries dropped before use, by "
+                                     "reason (evicted, expired, decode_down)", ["reason"],
+                                     registry=r)
+        self.store_errors = Counter(p + "store_errors", "Store calls that failed or were "
+                                    "skipped while the store is down (turn served without "
+                                    "reuse)", ["op"], registry=r)
+        self.store_latency = Histogram(p + "store_latency_seconds", "Conversation store call "
+                                       "latency (Redis round trips)", ["op"],
+                                       buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                                                0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+                                       registry=r)
+        self.dependency_up = Gauge(p + "dependency_up", "1 while a dependency answers "
+                                   "(indexer, store)", ["dependency"], registry=r)

@@ -2,9 +2,16 @@
 
 Choice, in order: among healthy instances of the role, prefer the longest
 cached prefix the indexer reports (KV-aware), then the fewest in-flight
-requests (load-aware), then round-robin. Instances that fail a health check
-``eject_after_failures`` times in a row, or refuse a connection, are ejected;
-one successful check readmits them.
+requests (load-aware), then round-robin.
+
+Ejection has two causes, and each has its own way back:
+
+- ``health``: ``eject_after_failures`` failed health checks in a row, or a refused
+  connection. One successful health check (or leg) readmits.
+- ``legs``: ``eject_after_failures`` legs in a row that timed out or broke (an engine
+  that hangs while its ``/health`` still answers 200). Health checks do not readmit it;
+  every ``probe_interval_s`` it is offered one leg (a probe), and the first successful
+  leg readmits it.
 
 Threading model: one asyncio event loop owns a pool; nothing here awaits
 except ``check_all`` (the health loop), which only flips flags.
@@ -15,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,12 +35,22 @@ from kvtier.ids import PodId
 log = logging.getLogger(__name__)
 
 
+class Ejected:
+    """Why an instance is out (``InstanceState.ejected``; the ejections metric's label)."""
+
+    HEALTH = "health"  # failed health checks or refused a connection
+    LEGS = "legs"      # its legs timed out or broke in a row
+
+
 @dataclass
 class InstanceState:
     cfg: InstanceConfig
     healthy: bool = True
-    failures: int = 0
+    failures: int = 0       # health checks (and refusals) failed in a row
+    leg_failures: int = 0   # legs timed out / broken in a row
     in_flight: int = 0
+    ejected: str | None = None  # an ``Ejected`` value while out
+    probe_at: float = 0.0   # monotonic: when a legs-ejected instance may get a probe leg
 
     @property
     def name(self) -> PodId:
@@ -45,7 +63,9 @@ class InstanceState:
 
 class InstancePool:
     def __init__(self, prefill: Iterable[InstanceConfig], decode: Iterable[InstanceConfig],
-                 eject_after_failures: int = 2):
+                 eject_after_failures: int = 2, probe_interval_s: float = 5.0,
+                 on_eject: Callable[[InstanceState, str], None] = lambda _i, _r: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.prefill = [InstanceState(c) for c in prefill]
         self.decode = [InstanceState(c) for c in decode]
         by_name: dict[PodId, InstanceState] = {}
@@ -56,7 +76,12 @@ class InstancePool:
         self.decode = [by_name[s.name] for s in self.decode]
         self.by_name = by_name
         self.eject_after = eject_after_failures
-        self._rr = itertools.count()
+        self.probe_interval_s = probe_interval_s
+        self.on_eject = on_eject
+        self.clock = clock
+        # One round-robin counter per candidate list (prefills, decodes...): a shared one
+        # advanced by every choice would pair each request's prefill with the same parity.
+        self._rr: dict[tuple[PodId, ...], itertools.count[int]] = {}
 
     def all(self) -> list[InstanceState]:
         return list(self.by_name.values())
@@ -65,13 +90,20 @@ class InstancePool:
                exclude: set[PodId] | frozenset = frozenset()) -> InstanceState | None:
         """Best healthy candidate not in ``exclude``; None when none is left."""
         live = [c for c in candidates if c.healthy and c.name not in exclude]
+        probe = self._probe(candidates, exclude)
+        if probe is not None:
+            return probe
         if not live:
             # Everything ejected: try the un-excluded ones anyway rather than
             # refuse; a health check may simply be late.
             live = [c for c in candidates if c.name not in exclude]
             if not live:
                 return None
-        rr = next(self._rr)
+        key = tuple(c.name for c in candidates)
+        counter = self._rr.get(key)
+        if counter is None:
+            counter = self._rr[key] = itertools.count()
+        rr = next(counter)
         matched = matched or {}
         n = len(live)
         ranked = sorted(
@@ -88,20 +120,57 @@ class InstancePool:
         finally:
             inst.in_flight -= 1
 
+    def _probe(self, candidates: list[InstanceState],
+               exclude: set[PodId] | frozenset) -> InstanceState | None:
+        """A legs-ejected candidate due for its probe leg (then not again for a while)."""
+        now = self.clock()
+        for c in candidates:
+            if (c.ejected == Ejected.LEGS and c.name not in exclude and now >= c.probe_at):
+                c.probe_at = now + self.probe_interval_s
+                return c
+        return None
+
+    def _eject(self, inst: InstanceState, why: str, count: int) -> None:
+        if inst.healthy:
+            log.warning("ejecting %s (%s) after %d failure(s): %s", inst.name, inst.url,
+                        count, why)
+            inst.healthy = False
+            inst.ejected = why
+            inst.probe_at = self.clock() + self.probe_interval_s
+            self.on_eject(inst, why)
+        elif why == Ejected.LEGS:
+            inst.ejected = why  # a legs ejection outlives a health one
+
     def mark_failed(self, inst: InstanceState, hard: bool = False) -> None:
-        """A request to ``inst`` failed; ``hard`` (refused connection) ejects now."""
+        """A health check of ``inst`` failed (or it refused a connection: ``hard``, ejects
+        now)."""
         inst.failures += 1
         if hard or inst.failures >= self.eject_after:
-            if inst.healthy:
-                log.warning("ejecting %s (%s) after %d failure(s)", inst.name, inst.url,
-                            inst.failures)
-            inst.healthy = False
+            self._eject(inst, Ejected.HEALTH, inst.failures)
+
+    def leg_failed(self, inst: InstanceState) -> None:
+        """A leg to ``inst`` timed out or broke: enough in a row eject it until a leg works."""
+        inst.leg_failures += 1
+        if inst.leg_failures >= self.eject_after:
+            self._eject(inst, Ejected.LEGS, inst.leg_failures)
+
+    def leg_ok(self, inst: InstanceState) -> None:
+        """A leg to ``inst`` succeeded: the only way back from a legs ejection."""
+        inst.leg_failures = 0
+        if not inst.healthy:
+            self._admit(inst)
 
     def mark_ok(self, inst: InstanceState) -> None:
-        if not inst.healthy:
-            log.info("readmitting %s (%s)", inst.name, inst.url)
+        """A health check of ``inst`` succeeded: readmits it unless its legs ejected it."""
+        inst.failures = 0
+        if not inst.healthy and inst.ejected != Ejected.LEGS:
+            self._admit(inst)
+
+    def _admit(self, inst: InstanceState) -> None:
+        log.info("readmitting %s (%s)", inst.name, inst.url)
         inst.failures = 0
         inst.healthy = True
+        inst.ejected = None
 
     async def check_all(self, client: httpx.AsyncClient, timeout_s: float) -> None:
         async def one(inst: InstanceState) -> None:

@@ -3,8 +3,8 @@
 The router validates only what it relies on (model, messages/prompt shape,
 stream, n, max tokens, conversation id) and passes every other field through
 to vLLM, which validates the rest and answers 4xx itself. Client-supplied
-``kv_transfer_params`` and KV-source headers are always stripped here, before
-anything else sees the request.
+``kv_transfer_params`` are always stripped here, before anything else sees the request;
+engines get an allow-list of headers only (``forward_headers``).
 
 Threading model: pure functions over immutable inputs; no shared state.
 """
@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from kvtier.ids import ConversationId
-from kvtier.transfer_params import INBOUND_STRIP_HEADERS, INBOUND_STRIP_KEYS
+from kvtier.transfer_params import INBOUND_STRIP_KEYS
 
 MAX_CONVERSATION_ID_LEN = 256
 # Options that mean nothing for a 1-token, non-streaming prefill leg (or that
@@ -170,13 +170,40 @@ def session_name(raw: dict[str, Any], headers: dict[str, str]) -> tuple[str | No
     return None, "conversation_id"
 
 
+# The only inbound headers an engine ever sees (W3C trace context); everything else a client
+# sends (KV-source headers such as llm-d's x-kv-cache-source-host-port, its own
+# X-Request-Id, cookies, auth) stays at the router. ``forward_headers`` adds the router's
+# own request id and the engine API key.
+FORWARDED_HEADERS = ("traceparent", "tracestate")
+
+
+def forward_headers(headers: dict[str, str], request_id: str,
+                    engine_api_key: str | None = None) -> dict[str, str]:
+    """The headers every leg of one request sends to engines: an allow-list.
+
+    ``headers`` are the client's (any case); only ``FORWARDED_HEADERS`` pass. The request id
+    is the router's (``request_id``), never the client's; ``Authorization`` is the engine
+    API key when one is configured, never the client's bearer token. The body is always
+    JSON the router serialized, so ``content-type`` is the router's too."""
+    out = {"content-type": "application/json", "x-request-id": request_id}
+    for k, v in headers.items():
+        lk = k.lower()
+        if lk in FORWARDED_HEADERS and _header_ok(v):
+            out[lk] = v
+    if engine_api_key:
+        out["authorization"] = f"Bearer {engine_api_key}"
+    return out
+
+
+def _header_ok(v: str) -> bool:
+    # Trace context is short ASCII (W3C: traceparent 55 chars, tracestate <= 512).
+    return len(v) <= 512 and v.isascii() and v.isprintable()
+
+
 def strip_headers(headers: dict[str, str]) -> dict[str, str]:
-    """Inbound headers safe to forward: no KV-source headers, no hop-by-hop noise."""
-    drop = set(INBOUND_STRIP_HEADERS) | {
-        "host", "content-length", "connection", "authorization", "x-conversation-id",
-        "accept-encoding", "transfer-encoding", "keep-alive", "upgrade", "te",
-    }
-    return {k: v for k, v in headers.items() if k.lower() not in drop}
+    """Deprecated (use ``forward_headers``): the client headers that may reach an engine,
+    now an allow-list of ``FORWARDED_HEADERS`` (the router sets the request id itself)."""
+    return {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
 
 
 def prefill_body(inb: Inbound, kv_params: dict[str, Any],

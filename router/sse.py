@@ -71,26 +71,72 @@ def completion_events(resp: dict[str, Any], include_usage: bool) -> Iterator[byt
 
 
 _PARAMS = b"kv_transfer_params"
+_FIELDS = (b"data:", b":", b"event:", b"id:", b"retry:")
+
+
+class Garbage(Exception):
+    """An engine's stream carried something that is not an SSE event."""
+
+
+def first_event_problem(event: bytes) -> str | None:
+    """What is wrong with a stream's first event (without its blank-line end), or None:
+    it must be SSE with a ``data:`` line holding a JSON object that is not an error."""
+    data = None
+    for line in event.split(b"\n"):
+        line = line.rstrip(b"\r")
+        if not line.startswith(_FIELDS):
+            return "not an SSE event"
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+    if data is None:
+        return "no data line"
+    if data == b"[DONE]":
+        return "stream ended before any answer"
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return "data is not JSON"
+    if not isinstance(obj, dict):
+        return "data is not a JSON object"
+    if "error" in obj:
+        return "error event"
+    return None
 
 
 async def strip_params(stream: AsyncIterator[bytes],
                        found: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
-    """Relay an engine's SSE stream event by event, with every ``kv_transfer_params``
-    (top level or in a choice) taken out and handed to ``found``.
+    """Relay an engine's SSE stream with every ``kv_transfer_params`` (top level or in a
+    choice) taken out and handed to ``found``.
 
-    Events are cut at blank lines; an event that does not mention the key is relayed as it
-    came (no parsing). A trailing partial event is relayed as is when the stream ends."""
+    Yields the complete events each read brought, together (one write to the client per
+    read, not per event; an engine streaming one token at a time is still relayed event by
+    event); a partial event waits for its end. An event that mentions the key is parsed and
+    rewritten, any other is relayed as it came. An event that does not start like SSE raises
+    ``Garbage`` (nothing of it is relayed). A trailing partial event is relayed as is when
+    the stream ends."""
     buf = b""
     async for chunk in stream:
-        buf += chunk
-        while True:
-            cut = buf.find(b"\n\n")
-            if cut < 0:
-                break
-            event, buf = buf[:cut + 2], buf[cut + 2:]
-            yield _stripped(event, found) if _PARAMS in event else event
-    if buf:
-        yield _stripped(buf, found) if _PARAMS in buf else buf
+        buf = buf + chunk if buf else chunk
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            continue
+        events, buf = buf[:cut + 2], buf[cut + 2:]
+        if _PARAMS in events or b"\n\n" in events[:-2] or not events.startswith(_FIELDS):
+            events = b"".join(_checked(e, found) for e in _split(events))
+        yield events
+    if buf.strip():
+        yield _checked(buf, found)
+
+
+def _split(events: bytes) -> list[bytes]:
+    parts = events.split(b"\n\n")
+    return [p + b"\n\n" for p in parts[:-1]]
+
+
+def _checked(event: bytes, found: Callable[[dict[str, Any]], None]) -> bytes:
+    if not event.startswith(_FIELDS):
+        raise Garbage(event[:80].decode(errors="replace"))
+    return _stripped(event, found) if _PARAMS in event else event
 
 
 def _stripped(event: bytes, found: Callable[[dict[str, Any]], None]) -> bytes:

@@ -4,7 +4,12 @@
 prefill legs (``max_tokens=1``, ``do_remote_decode``) return P's block params, decode legs
 return the generated ids and D's retained-KV params, ``/tokenize`` tokenizes characters, and
 ``/v1/lookup`` / ``/v1/source`` answer as the indexer was told to. Every engine call is kept
-in ``calls``; ``fail(url, ...)`` queues faults for the next completion calls to one engine.
+in ``calls`` (with its headers); ``fail(url, ...)`` queues faults for the next completion calls
+to one engine: ``"connect"``, ``"timeout"``, an HTTP status, or, for what a broken engine
+sends with a 200: ``"garbage"`` (not JSON / not SSE), ``"error_event"`` (a stream whose first
+event is an error), ``"midstream"`` (a stream whose connection breaks after one event),
+``"cut"`` (a stream that ends after one event without ``[DONE]``) and ``"bad_event"`` (a
+stream whose second event is not SSE).
 
 Streamed answers arrive content chunk by content chunk. ``feed`` (when set) is called, as
 ``KVTierNixlConnector`` would publish, with the engine request id vLLM derives from the leg's
@@ -37,6 +42,8 @@ class Call:
     url: str  # scheme://host:port of the engine
     path: str
     body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)  # lower-case names
+    raw: bytes = b""
 
     @property
     def kvp(self) -> dict[str, Any]:
@@ -78,7 +85,8 @@ class FakeEngines(httpx.AsyncBaseTransport):
             return httpx.Response(200, json={"block_size": BLOCK_SIZE, "matches": self.lookup})
         if path == "/v1/source":
             return httpx.Response(200, json={"source": self.source})
-        self.calls.append(Call(url, path, body))
+        self.calls.append(Call(url, path, body, {k.lower(): v for k, v in request.headers.items()},
+                               raw))
         if path == "/tokenize":
             return httpx.Response(200, json={"tokens": _chat_ids(body)})
         queued = self.faults.get(url)
@@ -88,6 +96,8 @@ class FakeEngines(httpx.AsyncBaseTransport):
                 raise httpx.ConnectError("refused", request=request)
             if fault == "timeout":
                 raise httpx.ReadTimeout("timed out", request=request)
+            if isinstance(fault, str):
+                return _broken(fault, bool(body.get("stream")), request)
             return httpx.Response(int(fault), json={"error": {"message": "injected"}})
         resp = _answer(url, path, body, self.stream_params)
         if self.feed is not None and body.get("stream") and path.endswith("completions"):
@@ -173,11 +183,39 @@ def _sse(resp: dict[str, Any], chat: bool, stream_params: bool) -> httpx.Respons
 
 
 class _Events(httpx.AsyncByteStream):
-    """A body that arrives event by event (bytes content would be read in one go)."""
+    """A body that arrives event by event (bytes content would be read in one go); with
+    ``then_break`` the connection breaks after the events."""
 
-    def __init__(self, events: list[bytes]) -> None:
+    def __init__(self, events: list[bytes], then_break: httpx.Request | None = None) -> None:
         self.events = events
+        self.then_break = then_break
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for e in self.events:
             yield e
+        if self.then_break is not None:
+            raise httpx.RemoteProtocolError("peer closed connection", request=self.then_break)
+
+
+_CHUNK = b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"a"}]}\n\n'
+
+
+def _broken(fault: str, stream: bool, request: httpx.Request) -> httpx.Response:
+    sse = {"content-type": "text/event-stream"}
+    if fault == "garbage":
+        if stream:
+            return httpx.Response(200, stream=_Events([b"<html>502 Bad Gateway</html>\n\n"]),
+                                  headers=sse)
+        return httpx.Response(200, content=b"<html>not json</html>")
+    if fault == "error_event":
+        return httpx.Response(200, stream=_Events([
+            b'data: {"error": {"message": "engine overloaded", "code": 500}}\n\n',
+            b"data: [DONE]\n\n"]), headers=sse)
+    if fault == "midstream":
+        return httpx.Response(200, stream=_Events([_CHUNK], then_break=request), headers=sse)
+    if fault == "cut":
+        return httpx.Response(200, stream=_Events([_CHUNK]), headers=sse)
+    if fault == "bad_event":
+        return httpx.Response(200, stream=_Events([_CHUNK, b"\x00\xffjunk\n\n",
+                                                   b"data: [DONE]\n\n"]), headers=sse)
+    raise ValueError(f"unknown fault {fault!r}")

@@ -8,6 +8,7 @@ from kvtier.router.requests import (
     BadRequest,
     Endpoint,
     decode_body,
+    forward_headers,
     parse_inbound,
     prefill_body,
     strip_headers,
@@ -36,8 +37,12 @@ def test_conversation_id_from_header():
 def test_kv_source_headers_are_not_forwarded():
     hdrs = {h: "1.2.3.4:5" for h in INBOUND_STRIP_HEADERS}
     hdrs.update({"Authorization": "Bearer k", "X-Request-Id": "r", "X-Conversation-Id": "c"})
+    hdrs["traceparent"] = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     out = strip_headers(hdrs)
-    assert out == {"X-Request-Id": "r"}
+    assert out == {"traceparent": hdrs["traceparent"]}
+    fwd = forward_headers(hdrs, "router-rid", "engine-key")
+    assert fwd == {"content-type": "application/json", "x-request-id": "router-rid",
+                   "traceparent": hdrs["traceparent"], "authorization": "Bearer engine-key"}
 
 
 @pytest.mark.parametrize("raw", [

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
-from kvtier.router.sse import strip_params
+from kvtier.router.sse import Garbage, strip_params
 
 from kvtier.ids import PodId
 from kvtier.wire.params_feed import FinishedParams, new_tag, tag_of
@@ -155,9 +155,14 @@ async def _strip_params_cuts_events_across_chunks() -> None:
     raw = ev1 + ev2 + b"data: [DONE]\n\n"
     found: list[dict[str, Any]] = []
     out = [e async for e in strip_params(_chunks(raw[:7], raw[7:50], raw[50:]), found.append)]
-    assert out[0] == ev1 and out[-1] == b"data: [DONE]\n\n"
-    assert json.loads(out[1][6:]) == {"choices": [{"text": "b"}]}
+    # What each read completed goes out together: ev1 after the second read, then the rest.
+    assert out[0] == ev1 and out[-1].endswith(b"\n\ndata: [DONE]\n\n")
+    events = b"".join(out).split(b"\n\n")
+    assert json.loads(events[1][6:]) == {"choices": [{"text": "b"}]}
     assert sorted(found, key=str) == [{"x": 1}, {"y": 2}]
+    # Garbage after a sane event, in one read with it: nothing of it is relayed.
+    with pytest.raises(Garbage):
+        [e async for e in strip_params(_chunks(ev1 + b"<html>\n\n"), found.append)]
 
 
 def test_without_a_feed_an_unnamed_stream_stays_a_stream() -> None:

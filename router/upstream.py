@@ -1,0 +1,239 @@
+"""The HTTP client under the router's engine legs: one small interface, two implementations.
+
+``Upstream.post`` sends one JSON body and returns (status, body bytes); ``Upstream.open``
+sends one and returns a ``Stream`` whose status is known and whose body is read chunk by
+chunk. Transport trouble is raised as ``UpstreamIOError`` with a ``retry.Failure`` kind
+(connect / timeout / protocol), whatever the library said.
+
+- ``AiohttpUpstream`` (used when aiohttp is installed and no test transport is given): one
+  ``ClientSession`` per engine instance, a bounded connection pool kept alive. aiohttp's
+  pool hands out a free connection in O(1); httpcore's walks every pooled connection and
+  polls each idle socket on every request, which was a third of the router's time at 128
+  streams (benchmarks/ROUTER.md).
+- ``HttpxUpstream``: httpx, one ``AsyncClient`` per instance; tests inject an
+  ``httpx.AsyncBaseTransport`` here (tests/unit/router_fakes.py).
+
+Timeouts: ``total_s`` bounds a whole non-streaming leg; a stream's ``idle_s`` bounds the
+wait for each read (the first byte included), never the stream's length.
+
+Threading model: used from the app's event loop only; sessions are created lazily inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
+
+import httpx
+from kvtier.router.retry import Failure
+
+
+class UpstreamIOError(Exception):
+    def __init__(self, kind: Failure, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class Stream(Protocol):
+    status: int
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self) -> bytes: ...
+
+    async def close(self) -> None: ...
+
+
+class Upstream(Protocol):
+    name: str
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str], total_s: float,
+                   ) -> tuple[int, bytes]: ...
+
+    async def open(self, url: str, body: bytes, headers: dict[str, str], idle_s: float,
+                   ) -> Stream: ...
+
+    async def aclose(self) -> None: ...
+
+
+# ---- httpx ------------------------------------------------------------------------------
+def _httpx_error(e: httpx.HTTPError) -> UpstreamIOError:
+    if isinstance(e, httpx.ConnectError):
+        return UpstreamIOError(Failure.CONNECT, str(e) or "connection refused")
+    if isinstance(e, httpx.TimeoutException):
+        return UpstreamIOError(Failure.TIMEOUT, str(e) or "timed out")
+    return UpstreamIOError(Failure.PROTOCOL, str(e) or type(e).__name__)
+
+
+class _HttpxStream:
+    def __init__(self, resp: httpx.Response) -> None:
+        self.resp = resp
+        self.status = resp.status_code
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for c in self.resp.aiter_raw():
+                yield c
+        except httpx.HTTPError as e:
+            raise _httpx_error(e) from None
+
+    async def read(self) -> bytes:
+        try:
+            return await self.resp.aread()
+        except httpx.HTTPError as e:
+            raise _httpx_error(e) from None
+
+    async def close(self) -> None:
+        await self.resp.aclose()
+
+
+class HttpxUpstream:
+    name = "httpx"
+
+    def __init__(self, urls: Iterable[str], connect_s: float, max_connections: int,
+                 keepalive_s: float, transport: httpx.AsyncBaseTransport | None = None,
+                 ) -> None:
+        self.connect_s = connect_s
+        limits = httpx.Limits(max_connections=max_connections,
+                              max_keepalive_connections=max_connections,
+                              keepalive_expiry=keepalive_s)
+        self._shared = httpx.AsyncClient(transport=transport, limits=limits)
+        # One bounded pool per engine (a test transport is shared: one client for all).
+        self._clients = {} if transport is not None else {
+            u: httpx.AsyncClient(limits=limits) for u in urls}
+
+    def _client(self, url: str) -> httpx.AsyncClient:
+        for base, c in self._clients.items():
+            if url.startswith(base):
+                return c
+        return self._shared
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str], total_s: float,
+                   ) -> tuple[int, bytes]:
+        try:
+            r = await self._client(url).post(url, content=body, headers=headers,
+                                             timeout=httpx.Timeout(total_s,
+                                                                   connect=self.connect_s))
+        except httpx.HTTPError as e:
+            raise _httpx_error(e) from None
+        return r.status_code, r.content
+
+    async def open(self, url: str, body: bytes, headers: dict[str, str], idle_s: float,
+                   ) -> Stream:
+        c = self._client(url)
+        req = c.build_request("POST", url, content=body, headers=headers,
+                              timeout=httpx.Timeout(idle_s, connect=self.connect_s))
+        try:
+            resp = await c.send(req, stream=True)
+        except httpx.HTTPError as e:
+            raise _httpx_error(e) from None
+        return _HttpxStream(resp)
+
+    async def aclose(self) -> None:
+        for c in self._clients.values():
+            await c.aclose()
+        await self._shared.aclose()
+
+
+# ---- aiohttp ----------------------------------------------------------------------------
+def aiohttp_available() -> bool:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _AiohttpStream:
+    def __init__(self, resp: Any) -> None:
+        self.resp = resp
+        self.status: int = resp.status
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        import aiohttp
+
+        try:
+            async for c in self.resp.content.iter_any():
+                yield c
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _aiohttp_error(e) from None
+        if not self.resp.content.is_eof():  # pragma: no cover - aiohttp raises first
+            raise UpstreamIOError(Failure.PROTOCOL, "body ended early")
+
+    async def read(self) -> bytes:
+        import aiohttp
+
+        try:
+            out: bytes = await self.resp.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _aiohttp_error(e) from None
+        return out
+
+    async def close(self) -> None:
+        self.resp.release()
+
+
+def _aiohttp_error(e: BaseException) -> UpstreamIOError:
+    import aiohttp
+
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return UpstreamIOError(Failure.CONNECT, str(e) or "connection refused")
+    if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return UpstreamIOError(Failure.TIMEOUT, str(e) or "timed out")
+    return UpstreamIOError(Failure.PROTOCOL, str(e) or type(e).__name__)
+
+
+class AiohttpUpstream:
+    name = "aiohttp"
+
+    def __init__(self, urls: Iterable[str], connect_s: float, max_connections: int,
+                 keepalive_s: float) -> None:
+        self.urls = list(urls)
+        self.connect_s = connect_s
+        self.max_connections = max_connections
+        self.keepalive_s = keepalive_s
+        self._sessions: dict[str, Any] = {}
+
+    def _session(self, url: str) -> Any:
+        import aiohttp
+
+        base = next((u for u in self.urls if url.startswith(u)), "")
+        s = self._sessions.get(base)
+        if s is None:
+            conn = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
+                                        keepalive_timeout=self.keepalive_s,
+                                        enable_cleanup_closed=False, ttl_dns_cache=300)
+            s = self._sessions[base] = aiohttp.ClientSession(
+                connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",))
+        return s
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str], total_s: float,
+                   ) -> tuple[int, bytes]:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self.connect_s)
+        try:
+            async with self._session(url).post(url, data=body, headers=headers,
+                                               timeout=timeout) as r:
+                return r.status, await r.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _aiohttp_error(e) from None
+
+    async def open(self, url: str, body: bytes, headers: dict[str, str], idle_s: float,
+                   ) -> Stream:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s,
+                                        sock_read=idle_s)
+        try:
+            resp = await self._session(url).post(url, data=body, headers=headers,
+                                                 timeout=timeout)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _aiohttp_error(e) from None
+        return _AiohttpStream(resp)
+
+    async def aclose(self) -> None:
+        for s in self._sessions.values():
+            await s.close()
+        self._sessions.clear()
