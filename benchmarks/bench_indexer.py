@@ -7,19 +7,28 @@ is created after the pin) pinned to one CPU:
 
 1. ingest (blocks/s): a stream of BlockStored events of 16 blocks, 64 pods,
    conversations that share a system prompt and then diverge.
-   - kvtier full: msgpack payload -> decode -> request-key hashing of the
+   - kvtier full: msgpack payload -> decode (the subscriber's typed fast path,
+     kvtier.indexer.fastdecode) -> request-key hashing of the
      tokens -> parent resolution -> MemoryIndex.store (what the daemon does
      per event; vLLM events carry tokens, so kvtier must hash them);
    - kvtier index only: MemoryIndex.store of precomputed keys;
    - Dynamo: RadixTree.apply_event of JSON events whose tokens_hash was
-     precomputed (Dynamo's engine-side publisher hashes, not the tree).
+     precomputed (Dynamo's engine-side publisher hashes, not the tree);
+   - Dynamo + hashing: the same plus compute_block_hash_for_seq of every event's
+     tokens (what kvtier full does on its side: same work on both sides).
 2. lookup latency for prompts of 1k / 32k / 128k tokens over 8 / 64 / 512
    pods: every pod holds a prefix of the prompt of a different length (all
    share at least the first block: a common system prompt).
-   - hashing: kvtier.hashing.RequestKeyHasher.keys (from a list and from a numpy
-     array; and the reference RequestKeyHasher.keys) vs compute_block_hash_for_seq;
-   - matching: MemoryIndex.lookup vs RadixTree.find_matches;
-   - total = both.
+   - hashing: kvtier.indexer.keys.request_keys (compiled helper if built, see
+     kvtier.indexer.native), its pure-Python path, and the reference
+     kvtier.hashing.RequestKeyHasher.keys vs compute_block_hash_for_seq;
+   - matching: MemoryIndex.lookup (LRU touch off: Dynamo's tree keeps no LRU; the
+     touch is measured apart) vs RadixTree.find_matches(...).scores (read back
+     into a Python dict, as kvtier's answer is one);
+   - total = both; route = IndexerService.route in process (hash, lookup, sorted
+     matches, source choice: the whole /v1/route answer before JSON).
+
+KVTIER_INDEXER_NATIVE=0 runs kvtier without its compiled helper.
 """
 
 from __future__ import annotations
@@ -33,9 +42,13 @@ import statistics
 import sys
 import time
 
-import numpy as np
+from kvtier.indexer.config import IndexerConfig
+from kvtier.indexer.fastdecode import decode_payload
 from kvtier.indexer.index import MemoryIndex
 from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
+from kvtier.indexer.keys import python_request_keys, request_keys
+from kvtier.indexer.native import NATIVE
+from kvtier.indexer.service import IndexerService
 
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
@@ -112,7 +125,7 @@ def bench_ingest(quick: bool) -> dict:
         ap, cc = EventApplier(idx, HasherCache(BS)), PodCounters()
         t0 = time.perf_counter()
         for seq, (pod, pl) in enumerate(payloads):
-            ap.apply(pod, MODEL, ev.decode_payload(seq, pl), cc)
+            ap.apply(pod, MODEL, decode_payload(seq, pl), cc)
         return time.perf_counter() - t0
 
     def run_store():
@@ -131,8 +144,19 @@ def bench_ingest(quick: bool) -> dict:
         dt = time.perf_counter() - t0
         return dt
 
+    toks_only = [toks for _, _, _, toks in stream]
+
+    def run_dynamo_hash():
+        t0 = time.perf_counter()
+        for toks in toks_only:
+            compute_block_hash_for_seq(toks, BS)
+        return time.perf_counter() - t0
+
+    def run_dynamo_full():
+        return run_dynamo() + run_dynamo_hash()
+
     for name, fn in (("kvtier_full", run_full), ("kvtier_index_only", run_store),
-                     ("dynamo_apply_event", run_dynamo)):
+                     ("dynamo_apply_event", run_dynamo), ("dynamo_hash_and_apply", run_dynamo_full)):
         best = min(fn() for _ in range(3))
         res[name + "_blocks_per_s"] = n_blocks / best
     return res
@@ -149,7 +173,11 @@ def bench_lookup(n_tokens: int, n_pods: int, reps: int) -> dict:
     hasher = RequestKeyHasher(ModelName(MODEL), BS)
     keys = hasher.keys(toks)
     th = compute_block_hash_for_seq(toks, BS)
-    idx = MemoryIndex(max_keys=10_000_000, max_blocks_per_pod=10_000_000)
+    svc = IndexerService(IndexerConfig(block_size=BS, default_model=ModelName(MODEL),
+                                       max_keys=10_000_000, max_blocks_per_pod=10_000_000))
+    idx = MemoryIndex(max_keys=10_000_000, max_blocks_per_pod=10_000_000,
+                      touch_on_lookup=False)
+    lru = MemoryIndex(max_keys=10_000_000, max_blocks_per_pod=10_000_000)
     tree = RadixTree()
     depths = []
     all_ehs = [rng.getrandbits(64) for _ in range(nb)]  # same content, same engine hash
@@ -157,7 +185,8 @@ def bench_lookup(n_tokens: int, n_pods: int, reps: int) -> dict:
         depth = max(1, nb * ((p * 37) % 100 + 1) // 100)
         depths.append(depth)
         ehs = all_ehs[:depth]
-        idx.store(PodId(f"pod-{p}"), Tier.GPU, list(zip(ehs, keys[:depth])))
+        for ix in (idx, lru, svc.raw_index):
+            ix.store(PodId(f"pod-{p}"), Tier.GPU, list(zip(ehs, keys[:depth])))
         for lo in range(0, depth, 256):
             hi = min(depth, lo + 256)
             tree.apply_event(p, json.dumps({"event_id": lo, "data": {"stored": {
@@ -169,16 +198,26 @@ def bench_lookup(n_tokens: int, n_pods: int, reps: int) -> dict:
     theirs = tree.find_matches(th).scores
     assert sorted(ours.values()) == sorted(theirs.values()) == sorted(depths), "answers differ"
 
-    arr = np.asarray(toks, dtype=np.uint32)
+    assert request_keys(hasher, toks) == keys
     r = {"tokens": n_tokens, "pods": n_pods, "reps": reps}
+    root = int(hasher.root)
+
+    def lru_lookup() -> None:   # the lookup plus its LRU refresh (deferred to ingest)
+        lru.lookup(keys)
+        with lru._lock:
+            lru._apply_touches()
+
     for name, fn in (
-        ("hash_kvtier", lambda: hasher.keys(toks)),
-        ("hash_kvtier_ndarray", lambda: hasher.keys(arr)),
+        ("hash_kvtier", lambda: request_keys(hasher, toks)),
+        ("hash_kvtier_python", lambda: python_request_keys(hasher, toks, root)),
+        ("hash_kvtier_reference", lambda: hasher.keys(toks)),
         ("hash_dynamo", lambda: compute_block_hash_for_seq(toks, BS)),
         ("match_kvtier", lambda: idx.lookup(keys)),
-        ("match_dynamo", lambda: tree.find_matches(th)),
-        ("total_kvtier", lambda: idx.lookup(hasher.keys(toks))),
-        ("total_dynamo", lambda: tree.find_matches(compute_block_hash_for_seq(toks, BS))),
+        ("match_kvtier_lru", lru_lookup),
+        ("match_dynamo", lambda: tree.find_matches(th).scores),
+        ("total_kvtier", lambda: idx.lookup(request_keys(hasher, toks))),
+        ("total_dynamo", lambda: tree.find_matches(compute_block_hash_for_seq(toks, BS)).scores),
+        ("route_kvtier", lambda: svc.route(ModelName(MODEL), toks, PodId("pod-0"))),
     ):
         fn()  # warm
         xs = timed(fn, reps)
@@ -197,12 +236,13 @@ def main() -> int:
     cpu = cpus[-1] if args.cpu is None else args.cpu
     os.sched_setaffinity(0, {cpu})  # before RadixTree() starts its worker thread
     meta = {"pinned_cpu": cpu, "python": sys.version.split()[0], "machine": platform.machine(),
-            "loadavg_start": os.getloadavg()}
-    print(f"pinned to CPU {cpu}; load average {meta['loadavg_start']}", flush=True)
+            "loadavg_start": os.getloadavg(), "native": NATIVE is not None}
+    print(f"pinned to CPU {cpu}; load average {meta['loadavg_start']}; kvtier compiled helper: "
+          f"{'yes' if NATIVE is not None else 'no (pure Python)'}", flush=True)
 
     ing = bench_ingest(args.quick)
     print(f"ingest: {ing['blocks']} blocks in {ing['events']} events of 16 blocks, 64 pods")
-    for k in ("kvtier_full", "kvtier_index_only", "dynamo_apply_event"):
+    for k in ("kvtier_full", "kvtier_index_only", "dynamo_apply_event", "dynamo_hash_and_apply"):
         print(f"  {k:22s} {ing[k + '_blocks_per_s'] / 1e6:6.2f} M blocks/s", flush=True)
 
     look = []
@@ -214,7 +254,10 @@ def main() -> int:
                   f"hash kvtier {r['hash_kvtier_p50_us']:8.1f} dynamo {r['hash_dynamo_p50_us']:8.1f}"
                   f" | match kvtier {r['match_kvtier_p50_us']:8.1f} dynamo "
                   f"{r['match_dynamo_p50_us']:8.1f} | total kvtier {r['total_kvtier_p50_us']:8.1f}"
-                  f" dynamo {r['total_dynamo_p50_us']:8.1f} µs (p50)", flush=True)
+                  f" dynamo {r['total_dynamo_p50_us']:8.1f} | hash py "
+                  f"{r['hash_kvtier_python_p50_us']:8.1f} | match+lru "
+                  f"{r['match_kvtier_lru_p50_us']:8.1f} | route {r['route_kvtier_p50_us']:8.1f}"
+                  f" µs (p50)", flush=True)
     meta["loadavg_end"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as f:

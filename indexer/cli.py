@@ -2,9 +2,12 @@
 
     kvtier indexer --config FILE
     kvtier indexer [--pod SPEC ...] [--host H] [--port 8300] [--backend memory|redis://...]
+                   [--stale-after SECONDS]
 
 Flags given next to ``--config`` override the file. ``--pod`` is
-``NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,p2p=HOST:PORT][,model=NAME]``.
+``NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,p2p=HOST:PORT][,model=NAME][,stream=S]``;
+the same NAME given again adds another event stream to that pod. ``${VAR}`` in a
+spec is read from the environment (peer hosts are never defaulted).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--config", help="YAML or JSON IndexerConfig file")
     p.add_argument("--pod", action="append", default=None, metavar="SPEC",
                    help="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,p2p=HOST:PORT]"
-                        "[,model=NAME] (repeatable)")
+                        "[,model=NAME][,stream=S] (repeatable; a NAME given again adds "
+                        "another event stream to that pod)")
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8300)")
     p.add_argument("--backend", default=None, help="memory (default) or redis://HOST:PORT/DB")
@@ -35,13 +39,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--block-size", type=int, default=None, help="engine block size (32)")
     p.add_argument("--snapshot", dest="snapshot_path", default=None,
                    help="snapshot file (written on shutdown, read on start)")
+    p.add_argument("--stale-after", dest="stale_after_s", type=float, default=None,
+                   metavar="SECONDS", help="a pod whose event streams have all been down this "
+                   "long is not offered as a source (default 10)")
     p.set_defaults(func=run)
 
 
 def build_config(args: argparse.Namespace) -> IndexerConfig:
     overrides = {"host": args.host, "port": args.port, "backend": args.backend,
                  "default_model": args.default_model, "block_size": args.block_size,
-                 "snapshot_path": args.snapshot_path}
+                 "snapshot_path": args.snapshot_path, "stale_after_s": args.stale_after_s}
     pods = [PodSpec.parse(s) for s in args.pod] if args.pod else None
     if args.config:
         cfg = IndexerConfig.load(args.config, **overrides)
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.indexer.http import serve
     from kvtier.indexer.service import IndexerService
 
-    log.info("indexer on http://%s:%d, backend %s, %d pod(s)", cfg.host, cfg.port, cfg.backend,
-             len(cfg.pods))
+    log.info("indexer on http://%s:%d, backend %s, %d pod(s), %d stream(s)", cfg.host, cfg.port,
+             cfg.backend, len(cfg.pods_by_name()), len(cfg.pods))
     serve(IndexerService(cfg), cfg.host, cfg.port)
     return 0

@@ -1,8 +1,14 @@
 """The indexer's HTTP API (docs/INTERFACES.md): FastAPI over an ``IndexerService``.
 
 Endpoints: ``GET /healthz``, ``GET /metrics``, ``POST /v1/lookup``,
-``POST /v1/source``, ``GET /v1/pods`` (details), ``POST /v1/pods`` (add:
-``{"spec": "NAME=tcp://..."}`` or PodSpec fields), ``DELETE /v1/pods/{name}``.
+``POST /v1/source``, ``POST /v1/route`` (both from one hashing),
+``GET /v1/pods`` (details), ``POST /v1/pods`` (add: ``{"spec": "NAME=tcp://..."}``
+or PodSpec fields; with ``stream`` set, another stream of an existing pod),
+``DELETE /v1/pods/{name}`` (every stream of it).
+
+The index backend unreachable (Redis down) is a 503 with ``{"error":
+"index backend unavailable: ..."}`` on queries, and ``/healthz`` answers 503
+with ``"status": "backend_unavailable"``.
 
 Bodies are decoded with msgspec straight from bytes (validation included:
 a 128k-token list decodes in about a millisecond). Every client mistake is a
@@ -26,12 +32,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from kvtier.indexer.config import PodSpec
+from kvtier.indexer.index import BackendUnavailable
 from kvtier.indexer.service import IndexerService, InputError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.ids import ModelName, PodId
-from kvtier.wire.indexer_api import AddPodRequest, LookupRequest, SourceRequest
+from kvtier.wire.indexer_api import AddPodRequest, LookupRequest, RouteRequest, SourceRequest
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -80,6 +87,11 @@ def build_app(svc: IndexerService, manage_service: bool = False) -> FastAPI:
     async def _input_error(_req: Request, e: InputError) -> Response:
         return _err(str(e), e.status)
 
+    @app.exception_handler(BackendUnavailable)
+    async def _backend_down(_req: Request, e: BackendUnavailable) -> Response:
+        log.warning("index backend unavailable: %s", e)
+        return _err(f"index backend unavailable: {e}", 503)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req: Request, e: StarletteHTTPException) -> Response:
         return _err(str(e.detail), e.status_code)
@@ -90,6 +102,10 @@ def build_app(svc: IndexerService, manage_service: bool = False) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> Response:
+        down = svc.backend_error()
+        if down is not None:
+            return _ok({"status": "backend_unavailable", "error": down,
+                        "pods": svc.pod_status()}, 503)
         return _ok({"status": "ok", "pods": svc.pod_status()})
 
     @app.get("/metrics")
@@ -105,7 +121,14 @@ def build_app(svc: IndexerService, manage_service: bool = False) -> FastAPI:
     async def source(request: Request) -> Response:
         req = _decode(await request.body(), SourceRequest)
         return _ok(svc.source(ModelName(req.model), req.token_ids, PodId(req.target_pod),
-                              req.min_cached_token_delta))
+                              req.min_cached_token_delta, req.loads))
+
+    @app.post("/v1/route")
+    async def route(request: Request) -> Response:
+        req = _decode(await request.body(), RouteRequest)
+        target = None if req.target_pod is None else PodId(req.target_pod)
+        return _ok(svc.route(ModelName(req.model), req.token_ids, target,
+                             req.min_cached_token_delta, req.loads))
 
     @app.get("/v1/pods")
     async def pods() -> Response:
@@ -117,14 +140,16 @@ def build_app(svc: IndexerService, manage_service: bool = False) -> FastAPI:
         try:
             if req.spec is not None:
                 spec = PodSpec.parse(req.spec)
+                if req.stream is not None:
+                    spec = PodSpec.model_validate({**spec.model_dump(), "stream": req.stream})
             else:
                 fields = {k: v for k, v in msgspec.structs.asdict(req).items()
                           if v is not None and k != "spec"}
                 spec = PodSpec.model_validate(fields)
         except (ValidationError, ValueError) as e:
             raise InputError(f"invalid pod: {e}") from None
-        svc.add_pod(spec)
-        return _ok({"added": spec.name}, 201)
+        st = svc.add_pod(spec)
+        return _ok({"added": spec.name, "stream": st.name}, 201)
 
     @app.delete("/v1/pods/{name}")
     async def remove_pod(name: str) -> Response:

@@ -14,6 +14,9 @@ that pod's mapping has an engine hash for the key with that tier. Capacity
 eviction may drop a key (and so its holders) while mappings remain, never
 the other way round.
 
+Backends raise ``BackendUnavailable`` (and only that) when they cannot be
+reached; the memory backend never does.
+
 Threading model: every backend is safe to call from several threads; each
 call is atomic with respect to the others (the memory backend holds one lock
 per call, Redis applies a call as one pipeline / script). Callers that need
@@ -28,11 +31,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from kvtier.indexer.native import NATIVE
+
 from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
 
 Holder = tuple[PodId, Tier]
+_MAX_PENDING_TOUCH = 256    # lookups whose LRU refresh waits for the next store
+_native_walk = getattr(NATIVE, "walk", None)
+_native_lookup = getattr(NATIVE, "lookup", None)   # CPython 3.11 only (reads int digits)
+_native_store = getattr(NATIVE, "store", None)
 TIER_BIT = {Tier.GPU: 1, Tier.CPU: 2}
 TIERS_BY_BIT = ((1, Tier.GPU), (2, Tier.CPU))
+
+
+class BackendUnavailable(RuntimeError):
+    """The index backend cannot be reached (Redis down, timed out, loading). Queries answer
+    HTTP 503; the subscriber replays what it could not apply once the backend is back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +88,9 @@ class KVIndex(Protocol):
 
     def stats(self) -> IndexStats: ...
 
+    def ping(self) -> None:
+        """Raise ``BackendUnavailable`` if the backend cannot be reached."""
+
     def close(self) -> None: ...
 
 
@@ -103,6 +120,8 @@ class MemoryIndex:
         self._slot_holder: list[Holder | None] = []
         self._free_slots: list[int] = []
         self._evicted = 0
+        # (keys, matched depth) of lookups since the last store: touched by ``store``
+        self._pending_touch: list[tuple[Sequence[RequestKey], int]] = []
 
     # -- slots ---------------------------------------------------------------------
 
@@ -135,29 +154,49 @@ class MemoryIndex:
             return
         tb = TIER_BIT[tier]
         with self._lock:
+            if self._pending_touch:
+                self._apply_touches()
             bit = self._bit(pod, tier)
             m = self._maps.setdefault(pod, {})
             keys = self._keys
-            for eh, rk in blocks:
-                old = m.get(eh)
-                if old is not None and (old >> 2) != rk:
-                    # Same engine hash, different tokens: only possible after a
-                    # pod restart with another hash seed. Last writer wins.
-                    self._unset(pod, eh, old)
-                    old = None
-                m[eh] = (rk << 2) | ((old & 3) if old is not None else 0) | tb
-                cur = keys.get(rk)
-                if cur is None:
-                    keys[rk] = bit
-                else:
-                    keys[rk] = cur | bit
-                    keys.move_to_end(rk)
+            if _native_store is not None and type(blocks) is list:
+                i = _native_store(m, keys, blocks, tb, bit, 0)
+                while i >= 0:   # an engine hash that maps to other tokens: the Python path
+                    self._store_py(pod, m, blocks[i:i + 1], tb, bit)
+                    i = _native_store(m, keys, blocks, tb, bit, i + 1)
+            else:
+                self._store_py(pod, m, blocks, tb, bit)
             while len(m) > self._max_per_pod:
                 eh = next(iter(m))
                 self._unset(pod, eh, m.pop(eh))
             while len(keys) > self._max_keys:
                 keys.popitem(last=False)
                 self._evicted += 1
+
+    def _store_py(self, pod: PodId, m: dict[EngineBlockHash, int],
+                  blocks: Sequence[tuple[EngineBlockHash, RequestKey]], tb: int,
+                  bit: int) -> None:
+        """``store``'s loop (``kvtier.indexer.native``'s ``store`` in Python)."""
+        keys = self._keys
+        mget, kget, mte = m.get, keys.get, keys.move_to_end
+        for eh, rk in blocks:
+            old = mget(eh)
+            if old is None:
+                m[eh] = (rk << 2) | tb
+            elif (old >> 2) != rk:
+                # Same engine hash, different tokens: only possible after a
+                # pod restart with another hash seed. Last writer wins.
+                self._unset(pod, eh, old)
+                m[eh] = (rk << 2) | tb
+            elif not old & tb:
+                m[eh] = old | tb
+            cur = kget(rk)
+            if cur is None:
+                keys[rk] = bit
+            else:
+                if not cur & bit:
+                    keys[rk] = cur | bit
+                mte(rk)
 
     def _unset(self, pod: PodId, eh: EngineBlockHash, packed: int, tiers: int = 3) -> None:
         """Clear ``pod``'s holder bits (for ``tiers``) on the key of one mapping entry."""
@@ -215,43 +254,71 @@ class MemoryIndex:
         return None if packed is None else RequestKey(packed >> 2)
 
     def lookup(self, keys: Sequence[RequestKey]) -> dict[Holder, int]:
-        n = len(keys)
-        if n == 0:
+        if not keys:
             return {}
         with self._lock:
-            get = self._keys.get
-            active = get(keys[0], 0)
-            if not active:
+            if _native_lookup is not None and type(keys) is list:
+                found: dict[Holder, int]
+                found, deepest = _native_lookup(keys, self._keys, self._slot_holder)
+                if self._touch and deepest:
+                    self._touched(keys, deepest)
+                return found
+            if _native_walk is not None and type(keys) is list:
+                levels: list[tuple[int, int]] = _native_walk(keys, self._keys)
+            else:
+                levels = self._walk(keys)
+            if not levels:
                 return {}
-            depth: dict[int, int] = {}  # slot bit -> matched blocks
-            i = 1
-            while i < n:
-                new = active & get(keys[i], 0)
-                if new != active:
-                    dropped = active ^ new
-                    while dropped:
-                        low = dropped & -dropped
-                        depth[low] = i
-                        dropped ^= low
-                    active = new
-                    if not active:
-                        break
-                i += 1
-            while active:
-                low = active & -active
-                depth[low] = n
-                active ^= low
-            if self._touch:
-                mte = self._keys.move_to_end
-                for k in keys[: max(depth.values())]:
-                    mte(k)
+            # A holder dropped at depth d is one set bit of that level's mask: peel the
+            # lowest bit off (one dict entry per holder, built directly: at 512 holders
+            # that is most of the cost, see benchmarks/README.md).
             holders = self._slot_holder
             out: dict[Holder, int] = {}
-            for b, d in depth.items():
-                h = holders[b.bit_length() - 1]
-                if h is not None:  # always: a set bit is a live slot (invariant above)
-                    out[h] = d
+            for d, m in levels:
+                while m:
+                    low = m & -m
+                    h = holders[low.bit_length() - 1]
+                    if h is not None:  # always: a set bit is a live slot (invariant above)
+                        out[h] = d
+                    m ^= low
+            if self._touch:
+                self._touched(keys, levels[-1][0])
             return out
+
+    def _touched(self, keys: Sequence[RequestKey], depth: int) -> None:
+        # Recency only matters when ``store`` evicts, and it applies these first: the LRU
+        # order is the same as touching here, and the query path does not pay for it.
+        self._pending_touch.append((keys, depth))
+        if len(self._pending_touch) >= _MAX_PENDING_TOUCH:
+            self._apply_touches()
+
+    def _walk(self, keys: Sequence[RequestKey]) -> list[tuple[int, int]]:
+        """``[(depth, holders that match exactly that many blocks)]``, depth ascending
+        (``kvtier.indexer.native``'s ``walk`` in Python)."""
+        get = self._keys.get
+        active = get(keys[0], 0)
+        levels: list[tuple[int, int]] = []
+        if not active:
+            return levels
+        n = len(keys)
+        for i in range(1, n):
+            new = active & get(keys[i], 0)
+            if new != active:
+                levels.append((i, active ^ new))
+                active = new
+                if not active:
+                    return levels
+        levels.append((n, active))
+        return levels
+
+    def _apply_touches(self) -> None:
+        pending, self._pending_touch = self._pending_touch, []
+        keys = self._keys
+        mte = keys.move_to_end
+        for ks, depth in pending:
+            for k in ks[:depth]:
+                if k in keys:   # removed since: nothing to refresh
+                    mte(k)
 
     def pod_entries(self, pod: PodId) -> list[MappingEntry]:
         with self._lock:
@@ -271,6 +338,9 @@ class MemoryIndex:
             return IndexStats(keys=len(self._keys),
                               mappings=sum(len(m) for m in self._maps.values()),
                               evicted=self._evicted)
+
+    def ping(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

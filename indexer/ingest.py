@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.indexer.index import KVIndex
+from kvtier.indexer.keys import block_keys
 
 from kvtier.hashing import RequestKeyHasher
-from kvtier.ids import EngineBlockHash, ModelName, PodId, RequestKey, Tier
+from kvtier.ids import ModelName, PodId, RequestKey, Tier
 from kvtier.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -70,10 +72,14 @@ class EventApplier:
         self.index = index
         self.hashers = hashers
 
-    def apply(self, pod: PodId, model: ModelName, batch: EventBatch, c: PodCounters) -> None:
+    def apply(self, pod: PodId, model: ModelName, batch: EventBatch, c: PodCounters,
+              siblings: Callable[[], Sequence[PodId]] | None = None) -> None:
+        """Apply one batch of stream ``pod``. ``siblings``: the pod's other streams, where a
+        parent block this stream never stored may be found (e.g. the host tier storing
+        blocks whose parent only the engine stream announced)."""
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self._stored(pod, model, ev, c)
+                self._stored(pod, model, ev, c, siblings)
             elif isinstance(ev, BlockRemoved):
                 self._removed(pod, ev, c)
             elif isinstance(ev, AllBlocksCleared):
@@ -93,7 +99,8 @@ class EventApplier:
             c.dropped["unknown_medium"] += nblocks
         return tier
 
-    def _stored(self, pod: PodId, model: ModelName, ev: BlockStored, c: PodCounters) -> None:
+    def _stored(self, pod: PodId, model: ModelName, ev: BlockStored, c: PodCounters,
+                siblings: Callable[[], Sequence[PodId]] | None = None) -> None:
         n = len(ev.block_hashes)
         tier = self._tier(ev.medium, ev.group_idx, c, n)
         if tier is None:
@@ -108,6 +115,11 @@ class EventApplier:
         parent: RequestKey | None = None
         if ev.parent_block_hash is not None:
             parent = self.index.resolve(pod, ev.parent_block_hash)
+            if parent is None and siblings is not None:
+                for other in siblings():
+                    parent = self.index.resolve(other, ev.parent_block_hash)
+                    if parent is not None:
+                        break
             if parent is None:
                 c.dropped["orphan"] += n
                 return
@@ -117,9 +129,8 @@ class EventApplier:
             c.dropped["short_token_ids"] += n - full
         if full == 0:
             return
-        keys = hasher.keys(ev.token_ids[: full * bs], parent)
-        hashes: list[EngineBlockHash] = list(ev.block_hashes[:full])
-        self.index.store(pod, tier, list(zip(hashes, keys)))
+        keys = block_keys(hasher, ev.token_ids, parent, full)   # exactly ``full`` keys
+        self.index.store(pod, tier, list(zip(ev.block_hashes, keys)))
         c.applied["BlockStored"] += 1
         c.blocks_stored += full
 

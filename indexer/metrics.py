@@ -2,6 +2,8 @@
 
 - ``InstrumentedIndex`` wraps any ``KVIndex`` and times ``lookup`` (the
   llm-d ``InstrumentedIndex`` pattern), so backends stay free of metrics.
+- Per-stream series carry ``pod`` (the pod name) and ``stream`` (the stream
+  id: the pod name for a pod's first stream); ``pod_stale`` is per pod.
 - Subscriber and index counters are read at scrape time by a custom
   collector from the state the subscriber keeps anyway (``PodState``), so
   nothing in the event path calls into prometheus_client.
@@ -17,11 +19,14 @@ never invalid view).
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtier.indexer.index import BackendUnavailable
 
 from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
 
@@ -41,10 +46,12 @@ class IndexerMetrics:
             registry=self.registry)
         self._subscriber: Subscriber | None = None
         self._index: KVIndex | None = None
+        self._stale_after_s = 10.0
         self.registry.register(self)
 
-    def bind(self, subscriber: Subscriber, index: KVIndex) -> None:
+    def bind(self, subscriber: Subscriber, index: KVIndex, stale_after_s: float = 10.0) -> None:
         self._subscriber, self._index = subscriber, index
+        self._stale_after_s = stale_after_s
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -56,10 +63,11 @@ class IndexerMetrics:
         sub, idx = self._subscriber, self._index
         if sub is None or idx is None:
             return
-        pods = list(sub.pods.values())
-        applied = CounterMetricFamily(P + "events_applied", "KV events applied", labels=["pod", "kind"])
+        pods = list(sub.streams.values())
+        applied = CounterMetricFamily(P + "events_applied", "KV events applied",
+                                      labels=["pod", "stream", "kind"])
         dropped = CounterMetricFamily(P + "events_dropped", "Blocks or events not indexed",
-                                      labels=["pod", "reason"])
+                                      labels=["pod", "stream", "reason"])
         simple: dict[str, tuple[str, str | None]] = {
             "gaps": ("Sequence discontinuities seen (recovered by replay or not)", "gaps"),
             "missing_batches": ("Event batches lost for good", "missing"),
@@ -67,31 +75,49 @@ class IndexerMetrics:
             "replays": ("Replay requests sent", "replays"),
             "replay_timeouts": ("Replay requests not answered in time", "replay_timeouts"),
             "publisher_restarts": ("Publisher restarts detected (seq went back)", "restarts"),
+            "backend_resyncs": ("Replays after the index backend failed", "resyncs"),
             "blocks_stored": ("Blocks stored", None),
         }
-        fams = {k: CounterMetricFamily(P + k, h, labels=["pod"]) for k, (h, _) in simple.items()}
-        connected = GaugeMetricFamily(P + "pod_connected", "1 if the pod's PUB is connected",
-                                      labels=["pod"])
+        lab = ["pod", "stream"]
+        fams = {k: CounterMetricFamily(P + k, h, labels=lab) for k, (h, _) in simple.items()}
+        connected = GaugeMetricFamily(P + "pod_connected", "1 if the stream's PUB is connected",
+                                      labels=lab)
         last_seq = GaugeMetricFamily(P + "pod_last_seq", "Last event batch seq received",
-                                     labels=["pod"])
+                                     labels=lab)
+        stale = GaugeMetricFamily(P + "pod_stale", "1 if the pod is not offered as a source "
+                                  "(every stream down past stale_after_s)", labels=["pod"])
+        now = time.monotonic()
+        pod_stale: defaultdict[str, bool] = defaultdict(lambda: True)
         for st in pods:
-            n = st.spec.name
+            n = [st.pod, st.name]
             for kind, v in list(st.counters.applied.items()):
-                applied.add_metric([n, kind], v)
+                applied.add_metric([*n, kind], v)
             for reason, v in list(st.counters.dropped.items()):
-                dropped.add_metric([n, reason], v)
+                dropped.add_metric([*n, reason], v)
             for k, (_, attr) in simple.items():
-                fams[k].add_metric([n], st.counters.blocks_stored if attr is None
+                fams[k].add_metric(n, st.counters.blocks_stored if attr is None
                                    else getattr(st, attr))
-            connected.add_metric([n], 1.0 if st.connected else 0.0)
-            last_seq.add_metric([n], st.last_seq)
-        stats = idx.stats()
+            connected.add_metric(n, 1.0 if st.connected else 0.0)
+            last_seq.add_metric(n, st.last_seq)
+            pod_stale[st.pod] &= st.stale(now, self._stale_after_s)
+        for pod, is_stale in pod_stale.items():
+            stale.add_metric([pod], 1.0 if is_stale else 0.0)
+        try:
+            stats: IndexStats | None = idx.stats()
+        except BackendUnavailable:
+            stats = None
         yield applied
         yield dropped
         yield from fams.values()
         yield connected
         yield last_seq
-        yield GaugeMetricFamily(P + "pods", "Subscribed pods", value=len(pods))
+        yield stale
+        yield GaugeMetricFamily(P + "pods", "Subscribed pods", value=len(pod_stale))
+        yield GaugeMetricFamily(P + "streams", "Subscribed event streams", value=len(pods))
+        yield GaugeMetricFamily(P + "backend_up", "1 if the index backend answers",
+                                value=0.0 if stats is None else 1.0)
+        if stats is None:
+            return
         yield GaugeMetricFamily(P + "index_keys", "Request keys in the index", value=stats.keys)
         yield GaugeMetricFamily(P + "index_mappings", "Engine-hash mappings (all pods)",
                                 value=stats.mappings)
@@ -131,6 +157,9 @@ class InstrumentedIndex:
 
     def stats(self) -> IndexStats:
         return self._inner.stats()
+
+    def ping(self) -> None:
+        self._inner.ping()
 
     def close(self) -> None:
         self._inner.close()

@@ -5,7 +5,10 @@ Layout (``ns`` = namespace, default ``kvtier``; hashes and keys as 16 hex digits
 - ``ns:map:{pod}``  HASH  engine hash -> request key (16 hex) + 1 byte of tier bits
 - ``ns:key:{rk}``   SET   holders ``"{pod}|G"`` / ``"{pod}|C"``
 - ``ns:lru``        ZSET  request key -> logical clock (LRU order; capacity bound)
-- ``ns:clock``, ``ns:evicted``, ``ns:pods`` (SET of pod names)
+- ``ns:clock``, ``ns:evicted``, ``ns:pods`` (SET of stream ids: the holder names)
+- ``ns:seq``        HASH  stream id -> last applied event seq (replicas resume from it)
+- ``ns:gen``        STRING a random generation id, set once per dataset: when it is gone
+  or changed, Redis lost (or was swapped for) the data, and replicas rebuild by replay
 
 Every write and the prefix walk are Lua scripts, so each call is one round
 trip and atomic (a 128k-token lookup is one script call, not 4,000
@@ -18,11 +21,21 @@ every call is atomic on the server.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import redis
-from kvtier.indexer.index import TIER_BIT, TIERS_BY_BIT, Holder, IndexStats, MappingEntry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+from kvtier.indexer.index import (
+    TIER_BIT,
+    TIERS_BY_BIT,
+    BackendUnavailable,
+    Holder,
+    IndexStats,
+    MappingEntry,
+)
 
 from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
 
@@ -132,6 +145,25 @@ return out
 """
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+# What "Redis cannot be reached" looks like to redis-py (BusyLoadingError: restarted, still
+# loading its dump; ReadOnlyError: a replica that was promoted away).
+_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
+         redis.exceptions.ReadOnlyError)
+
+
+def _guarded(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except _DOWN as e:
+            self = args[0]
+            raise BackendUnavailable(f"redis {getattr(self, 'where', '?')}: {e}") from e
+    return wrapper
+
+
 def _hex(v: int) -> str:
     return f"{v:016x}"
 
@@ -148,6 +180,8 @@ class RedisIndex:
     def __init__(self, client: redis.Redis, namespace: str = "kvtier",
                  max_keys: int = 2_000_000, touch_on_lookup: bool = True) -> None:
         self.r = client
+        kw = client.connection_pool.connection_kwargs
+        self.where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
         self.ns = namespace
         self.max_keys = max_keys
         self.touch = touch_on_lookup
@@ -156,9 +190,23 @@ class RedisIndex:
         self._lookup = client.register_script(_LOOKUP)
 
     @classmethod
-    def from_url(cls, url: str, **kw: Any) -> RedisIndex:
-        return cls(redis.Redis.from_url(url, decode_responses=False), **kw)
+    def from_url(cls, url: str, timeout_s: float = 2.0, **kw: Any) -> RedisIndex:
+        """Bounded timeouts: a Redis that stops answering is reported within ``timeout_s``
+        instead of hanging the caller; redis-py reconnects on the next call by itself."""
+        # Two quick retries: a pooled connection that died with a Redis restart is
+        # replaced without the caller seeing an error; a Redis that is down fails fast.
+        retry = Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2)
+        return cls(redis.Redis.from_url(url, decode_responses=False,
+                                        socket_connect_timeout=timeout_s,
+                                        socket_timeout=timeout_s, retry=retry,
+                                        retry_on_error=[redis.ConnectionError,
+                                                        redis.TimeoutError]), **kw)
 
+    @_guarded
+    def ping(self) -> None:
+        self.r.ping()
+
+    @_guarded
     def store(self, pod: PodId, tier: Tier,
               blocks: Sequence[tuple[EngineBlockHash, RequestKey]]) -> None:
         if not blocks:
@@ -168,15 +216,18 @@ class RedisIndex:
             args += (_hex(eh), _hex(rk))
         self._store(args=args)
 
+    @_guarded
     def resolve(self, pod: PodId, engine_hash: EngineBlockHash) -> RequestKey | None:
         v = self.r.hget(f"{self.ns}:map:{pod}", _hex(engine_hash))
         return None if v is None else RequestKey(int(v[:16], 16))
 
+    @_guarded
     def remove(self, pod: PodId, tier: Tier, hashes: Sequence[EngineBlockHash]) -> int:
         if not hashes:
             return 0
         return int(self._remove(args=[self.ns, pod, TIER_BIT[tier], *map(_hex, hashes)]))
 
+    @_guarded
     def clear_pod(self, pod: PodId) -> int:
         mapk = f"{self.ns}:map:{pod}"
         n = 0
@@ -186,8 +237,10 @@ class RedisIndex:
             n += int(self._remove(args=[self.ns, pod, 3, *hashes[i:i + 1000]]))
         self.r.delete(mapk)
         self.r.srem(f"{self.ns}:pods", pod)
+        self.r.hdel(f"{self.ns}:seq", pod)
         return n
 
+    @_guarded
     def lookup(self, keys: Sequence[RequestKey]) -> dict[Holder, int]:
         if not keys:
             return {}
@@ -198,6 +251,7 @@ class RedisIndex:
             out[(PodId(pod), _CHAR_TIER[t])] = int(flat[i + 1])
         return out
 
+    @_guarded
     def pod_entries(self, pod: PodId) -> list[MappingEntry]:
         out: list[MappingEntry] = []
         for eh, v in self.r.hscan_iter(f"{self.ns}:map:{pod}", count=1000):
@@ -206,9 +260,11 @@ class RedisIndex:
                                     frozenset(t for tb, t in TIERS_BY_BIT if bits & tb)))
         return out
 
+    @_guarded
     def pods(self) -> list[PodId]:
         return [PodId(_text(p)) for p in self.r.smembers(f"{self.ns}:pods")]
 
+    @_guarded
     def stats(self) -> IndexStats:
         pipe = self.r.pipeline(transaction=False)
         pipe.zcard(f"{self.ns}:lru")
@@ -220,6 +276,25 @@ class RedisIndex:
             pipe.hlen(f"{self.ns}:map:{p.decode()}")
         mappings = sum(pipe.execute()) if pods else 0
         return IndexStats(keys=int(keys), mappings=int(mappings), evicted=int(evicted or 0))
+
+    # -- shared by replicas (``kvtier.indexer.replicas``) ------------------------------------
+
+    @_guarded
+    def generation(self, claim: str | None = None) -> str | None:
+        """The dataset's generation id; with ``claim``, set it first unless one is set."""
+        if claim is not None:
+            self.r.set(f"{self.ns}:gen", claim, nx=True)
+        v = self.r.get(f"{self.ns}:gen")
+        return None if v is None else _text(v)
+
+    @_guarded
+    def save_seqs(self, seqs: dict[PodId, int]) -> None:
+        if seqs:
+            self.r.hset(f"{self.ns}:seq", mapping={k: str(v) for k, v in seqs.items()})
+
+    @_guarded
+    def load_seqs(self) -> dict[PodId, int]:
+        return {PodId(_text(k)): int(v) for k, v in self.r.hgetall(f"{self.ns}:seq").items()}
 
     def close(self) -> None:
         self.r.close()

@@ -1,15 +1,18 @@
 """The indexer as an in-process object: subscriptions, index, queries, snapshot.
 
 ``IndexerService`` is what the HTTP daemon serves and what a router in the
-same process may call directly (``lookup`` / ``source``: no HTTP, no
-serialization, answered inline on the caller's thread).
+same process may call directly (``lookup`` / ``source`` / ``route``: no
+HTTP, no serialization, answered inline on the caller's thread). ``route``
+answers both from one hashing of the prompt and one walk of the index.
 
-Source selection (``source``), after llm-d's P2P pull rule:
-only CPU-tier copies can be pulled; a candidate must be another pod than the
-target, have a P2P address configured, and hold at least
-``min_cached_token_delta`` more tokens than the target holds on *any* of its
-tiers. Among candidates the longest match wins; ties are broken by pod name
-(deterministic; the indexer knows no load).
+A pod may have several event streams (``kvtier.indexer.config``); queries
+merge them, and pod-level views (``pod_status``, ``pod_details``) sum or
+combine them. Source selection (``kvtier.indexer.select``): CPU-tier copies
+of another, *offered* pod, within one block of the longest, least loaded.
+A pod is offered unless every one of its streams has been down (disconnected,
+or reconnected but not caught up by replay) for more than ``stale_after_s``.
+
+Backend down (Redis): queries raise ``BackendUnavailable`` (HTTP 503).
 
 Threading model: queries run on the caller's thread, concurrently with the
 subscriber's threads (the index backends are thread-safe). ``add_pod`` /
@@ -21,26 +24,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self, TypedDict
 
-from kvtier.indexer.config import IndexerConfig, PodSpec
-from kvtier.indexer.index import KVIndex, MemoryIndex, restore_entries
+from kvtier.indexer.config import IndexerConfig, PodSpec, number_streams
+from kvtier.indexer.index import BackendUnavailable, Holder, KVIndex, MemoryIndex, restore_entries
 from kvtier.indexer.ingest import EventApplier, HasherCache
+from kvtier.indexer.keys import request_keys
 from kvtier.indexer.metrics import IndexerMetrics, InstrumentedIndex
+from kvtier.indexer.replicas import ReplicaSync, SharedIndex
+from kvtier.indexer.select import SourceChoice, choose_source, matches, merge_streams
 from kvtier.indexer.snapshot import load_snapshot, write_snapshot
 from kvtier.indexer.subscriber import PodState, Subscriber
 
-from kvtier.ids import ModelName, PodId, RequestKey, Tier
-from kvtier.wire.indexer_api import LookupResponse, Match, Source, SourceResponse
+from kvtier.ids import ModelName, PodId, RequestKey
+from kvtier.wire.indexer_api import LookupResponse, RouteResponse, SourceResponse
 
 log = logging.getLogger(__name__)
 
 
-class PodStatus(TypedDict):
+class StreamStatus(TypedDict):
     connected: bool
     last_seq: int
     gaps: int
+
+
+class PodStatus(StreamStatus):
+    """A pod's streams combined: connected if any is, ``last_seq`` of its first stream,
+    gaps summed; ``stale``: not offered as a source; ``streams``: each stream's own."""
+
+    stale: bool
+    streams: dict[PodId, StreamStatus]
 
 
 class InputError(ValueError):
@@ -49,6 +63,9 @@ class InputError(ValueError):
     def __init__(self, msg: str, status: int = 400) -> None:
         super().__init__(msg)
         self.status = status
+
+
+__all__ = ["BackendUnavailable", "IndexerService", "InputError", "make_index", "wait_until"]
 
 
 def make_index(cfg: IndexerConfig) -> KVIndex:
@@ -71,7 +88,11 @@ class IndexerService:
             EventApplier(self.index, self.hashers), cfg.default_model,
             apply_workers=cfg.apply_workers, replay_timeout_s=cfg.replay_timeout_s,
             max_pending=cfg.max_pending_batches)
-        self.metrics.bind(self.subscriber, self.raw_index)
+        self._stale_logged: set[PodId] = set()
+        self.replica: ReplicaSync | None = None
+        if isinstance(self.raw_index, SharedIndex):
+            self.replica = ReplicaSync(self.raw_index, self.subscriber)
+        self.metrics.bind(self.subscriber, self.raw_index, cfg.stale_after_s)
         self._snap_stop = threading.Event()
         self._snap_thread: threading.Thread | None = None
         self._started = False
@@ -79,14 +100,16 @@ class IndexerService:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        resume = self._load_snapshot()
+        resume = self._load_snapshot() if self.replica is None else self.replica.resume_seqs()
         self.subscriber.start()
         for spec in self.cfg.pods:
-            self.subscriber.add_pod(spec, last_seq=resume.get(spec.name, -1))
+            self.subscriber.add_pod(spec, last_seq=resume.get(spec.stream_id, -1))
         if self.cfg.snapshot_path and self.cfg.snapshot_interval_s > 0:
             self._snap_thread = threading.Thread(target=self._snapshot_loop, daemon=True,
                                                  name="kvtier-indexer-snapshot")
             self._snap_thread.start()
+        if self.replica is not None:
+            self.replica.start()
         self._started = True
 
     def stop(self) -> None:
@@ -97,6 +120,8 @@ class IndexerService:
         if self._snap_thread is not None:
             self._snap_thread.join(timeout=10)
         self.subscriber.drain(timeout=5)
+        if self.replica is not None:
+            self.replica.stop()
         if self.cfg.snapshot_path:
             self.snapshot()
         self.subscriber.stop()
@@ -112,46 +137,120 @@ class IndexerService:
     # -- pods ---------------------------------------------------------------------------------
 
     def add_pod(self, spec: PodSpec) -> PodState:
-        if spec.name in self.subscriber.pods:
-            raise InputError(f"pod {spec.name!r} already exists", status=409)
-        return self.subscriber.add_pod(spec)
+        """Add a pod, or (``spec.stream`` set) another stream of an existing pod."""
+        existing = tuple(st.spec for st in self.subscriber.streams_of(spec.name))
+        if existing and spec.stream is None:
+            raise InputError(f"pod {spec.name!r} already exists (give stream=NAME to add "
+                             "another event stream to it)", status=409)
+        try:
+            (spec,) = number_streams([spec], existing)
+        except ValueError as e:
+            raise InputError(str(e), status=409) from None
+        try:
+            st = self.subscriber.add_pod(spec)
+        except ValueError as e:   # the same stream added by a concurrent call
+            raise InputError(str(e), status=409) from None
+        log.info("pod %s: stream %s added (%s)", spec.name, spec.stream_id, spec.events)
+        return st
 
     def remove_pod(self, name: PodId) -> None:
-        if self.subscriber.remove_pod(name) is None:
+        if not self.subscriber.remove_pod(name):
             raise InputError(f"unknown pod {name!r}", status=404)
 
+    def _streams_by_pod(self) -> dict[PodId, list[PodState]]:
+        out: dict[PodId, list[PodState]] = {}
+        for st in list(self.subscriber.streams.values()):
+            out.setdefault(st.pod, []).append(st)
+        return out
+
+    def _stale(self, streams: Sequence[PodState], now: float) -> bool:
+        return all(st.stale(now, self.cfg.stale_after_s) for st in streams)
+
+    def offered(self, pod: PodId, now: float | None = None) -> bool:
+        """False for an unknown pod, or one whose every stream is down past ``stale_after_s``."""
+        streams = self.subscriber.streams_of(pod)
+        if not streams:
+            return False
+        stale = self._stale(streams, time.monotonic() if now is None else now)
+        if stale != (pod in self._stale_logged):   # log transitions, once each
+            (self._stale_logged.add if stale else self._stale_logged.discard)(pod)
+            log.warning("pod %s: %s", pod, f"no live event stream for over "
+                        f"{self.cfg.stale_after_s:g} s: not offered as a source" if stale
+                        else "live again: offered as a source")
+        return not stale
+
+    def p2p_of(self, pod: PodId) -> tuple[str, int] | None:
+        for st in self.subscriber.streams_of(pod):
+            if st.spec.p2p_host_port is not None:
+                return st.spec.p2p_host_port
+        return None
+
     def pod_status(self) -> dict[PodId, PodStatus]:
-        return {
-            name: {"connected": st.connected, "last_seq": st.last_seq, "gaps": st.gaps}
-            for name, st in list(self.subscriber.pods.items())
-        }
+        now = time.monotonic()
+        out: dict[PodId, PodStatus] = {}
+        for pod, streams in self._streams_by_pod().items():
+            per: dict[PodId, StreamStatus] = {
+                st.name: {"connected": st.connected, "last_seq": st.last_seq, "gaps": st.gaps}
+                for st in streams}
+            out[pod] = {"connected": any(s["connected"] for s in per.values()),
+                        "last_seq": streams[0].last_seq,
+                        "gaps": sum(s["gaps"] for s in per.values()),
+                        "stale": self._stale(streams, now), "streams": per}
+        return out
+
+    def backend_error(self) -> str | None:
+        """None when the index backend answers, else why not."""
+        try:
+            self.raw_index.ping()
+        except BackendUnavailable as e:
+            return str(e)
+        return None
 
     def wait_connected(self, timeout_s: float = 15.0, settle_s: float = 0.3) -> bool:
         """Wait until every pod's event PUB is connected (TCP) plus ``settle_s`` for the
         subscription to travel: a PUB drops what it publishes before a SUB has joined, so a
         caller about to drive traffic should wait here first. False (and a warning) on timeout."""
-        if wait_until(lambda: all(st.connected for st in list(self.subscriber.pods.values())),
+        if wait_until(lambda: all(st.connected for st in list(self.subscriber.streams.values())),
                       timeout_s, 0.05):
             time.sleep(settle_s)
             return True
-        missing = sorted(n for n, st in list(self.subscriber.pods.items()) if not st.connected)
+        missing = sorted(n for n, st in list(self.subscriber.streams.items())
+                         if not st.connected)
         log.warning("indexer: events of %s not connected after %.0f s; what they publish "
                     "meanwhile is lost until a replay", missing, timeout_s)
         return False
 
     def pod_details(self) -> dict[PodId, dict[str, Any]]:
+        """Per pod: its first stream's spec fields, counters summed over its streams, and
+        ``streams`` with each stream's own."""
+        now = time.monotonic()
         out: dict[PodId, dict[str, Any]] = {}
-        for name, st in list(self.subscriber.pods.items()):
-            out[name] = {
-                **st.spec.model_dump(), "model": st.model, "connected": st.connected,
-                "last_seq": st.last_seq, "gaps": st.gaps, "missing_batches": st.missing,
-                "malformed_frames": st.malformed, "replays": st.replays,
-                "replay_timeouts": st.replay_timeouts, "restarts": st.restarts,
-                "blocks_stored": st.counters.blocks_stored,
-                "blocks_removed": st.counters.blocks_removed,
-                "dropped": dict(st.counters.dropped),
-            }
+        for pod, streams in self._streams_by_pod().items():
+            per = {st.name: self._stream_details(st, now) for st in streams}
+            first = per[streams[0].name]
+            summed = {k: sum(d[k] for d in per.values()) for k in (
+                "gaps", "missing_batches", "malformed_frames", "replays", "replay_timeouts",
+                "restarts", "resyncs", "blocks_stored", "blocks_removed")}
+            dropped: dict[str, int] = {}
+            for d in per.values():
+                for k, v in d["dropped"].items():
+                    dropped[k] = dropped.get(k, 0) + v
+            out[pod] = {**first, **summed, "dropped": dropped,
+                        "connected": any(d["connected"] for d in per.values()),
+                        "stale": self._stale(streams, now), "streams": per}
         return out
+
+    @staticmethod
+    def _stream_details(st: PodState, now: float) -> dict[str, Any]:
+        return {
+            **st.spec.model_dump(), "model": st.model, "connected": st.connected,
+            "down_for_s": None if st.down_since is None else round(now - st.down_since, 3),
+            "last_seq": st.last_seq, "gaps": st.gaps, "missing_batches": st.missing,
+            "malformed_frames": st.malformed, "replays": st.replays,
+            "replay_timeouts": st.replay_timeouts, "restarts": st.restarts,
+            "resyncs": st.resyncs, "blocks_stored": st.counters.blocks_stored,
+            "blocks_removed": st.counters.blocks_removed, "dropped": dict(st.counters.dropped),
+        }
 
     # -- queries (inline, caller's thread) ---------------------------------------------------
 
@@ -161,49 +260,48 @@ class IndexerService:
         if len(token_ids) > self.cfg.max_lookup_tokens:
             raise InputError(f"token_ids has {len(token_ids)} tokens, over the limit of "
                              f"{self.cfg.max_lookup_tokens}", status=413)
-        return self.hashers.get(model).keys(token_ids)
+        return request_keys(self.hashers.get(model), token_ids)
+
+    def _merged(self, model: ModelName, token_ids: Sequence[int]) -> dict[Holder, int]:
+        found = self.index.lookup(self._keys(model, token_ids))
+        # Only holders named NAME#S need merging; the memory backend holds only this
+        # service's streams, so without any such stream the answer is already per pod.
+        if self.subscriber.substreams or self.replica is not None:
+            return merge_streams(found)
+        return found
 
     def lookup(self, model: ModelName, token_ids: Sequence[int]) -> LookupResponse:
         """Longest cached prefix per (pod, tier), longest first."""
         bs = self.cfg.block_size
-        found = self.index.lookup(self._keys(model, token_ids))
-        matches = [Match(pod=p, tier=t.value, matched_tokens=n * bs)
-                   for (p, t), n in found.items() if n > 0]
-        matches.sort(key=lambda m: (-m.matched_tokens, m.pod, m.tier))
-        return LookupResponse(block_size=bs, matches=matches)
+        return LookupResponse(block_size=bs, matches=matches(self._merged(model, token_ids), bs))
 
-    def source(self, model: ModelName, token_ids: Sequence[int], target_pod: PodId,
-               min_cached_token_delta: int | None = None) -> SourceResponse:
-        """Best peer to pull this prompt's KV from into ``target_pod``, or none."""
+    def _choose(self, merged: dict[Holder, int], target_pod: PodId | None,
+                min_cached_token_delta: int | None,
+                loads: Mapping[str, int] | None) -> SourceChoice:
         min_delta = (self.cfg.min_cached_token_delta if min_cached_token_delta is None
                      else min_cached_token_delta)
+        now = time.monotonic()
+        return choose_source(merged, self.cfg.block_size, target_pod, min_delta, self.p2p_of,
+                             lambda p: self.offered(p, now), loads)
+
+    def source(self, model: ModelName, token_ids: Sequence[int], target_pod: PodId,
+               min_cached_token_delta: int | None = None,
+               loads: Mapping[str, int] | None = None) -> SourceResponse:
+        """Best peer to pull this prompt's KV from into ``target_pod``, or none."""
+        c = self._choose(self._merged(model, token_ids), target_pod, min_cached_token_delta,
+                         loads)
+        return SourceResponse(source=c.source, target_matched_tokens=c.target_matched_tokens,
+                              delta=c.delta)
+
+    def route(self, model: ModelName, token_ids: Sequence[int], target_pod: PodId | None = None,
+              min_cached_token_delta: int | None = None,
+              loads: Mapping[str, int] | None = None) -> RouteResponse:
+        """``lookup`` and ``source`` in one: one hashing of the prompt, one index walk."""
+        merged = self._merged(model, token_ids)
+        c = self._choose(merged, target_pod, min_cached_token_delta, loads)
         bs = self.cfg.block_size
-        found = self.index.lookup(self._keys(model, token_ids))
-        target = max((n for (p, _), n in found.items() if p == target_pod), default=0) * bs
-        pods = self.subscriber.pods
-        # (tokens, pod, its p2p address): the address is taken with the candidate, as the pod
-        # may be removed by another thread before we answer.
-        best: tuple[int, PodId, tuple[str, int]] | None = None
-        for (p, t), n in found.items():
-            if t is not Tier.CPU or p == target_pod:
-                continue
-            st = pods.get(p)
-            addr = None if st is None else st.spec.p2p_host_port
-            if addr is None:
-                continue
-            tokens = n * bs
-            if best is None or tokens > best[0] or (tokens == best[0] and p < best[1]):
-                best = (tokens, p, addr)
-        if best is None:
-            return SourceResponse(source=None, target_matched_tokens=target, delta=0)
-        tokens, pod, (host, port) = best
-        delta = tokens - target
-        if delta < min_delta or tokens == 0:
-            return SourceResponse(source=None, target_matched_tokens=target, delta=delta)
-        return SourceResponse(
-            source=Source(pod=pod, tier="CPU", matched_tokens=tokens, p2p_host=host,
-                          p2p_port=port),
-            target_matched_tokens=target, delta=delta)
+        return RouteResponse(block_size=bs, matches=matches(merged, bs), source=c.source,
+                             target_matched_tokens=c.target_matched_tokens, delta=c.delta)
 
     # -- snapshot -----------------------------------------------------------------------------
 
@@ -212,7 +310,7 @@ class IndexerService:
         if not self.cfg.snapshot_path:
             return
         pods = {name: (st.applied_seq, self.raw_index.pod_entries(name))
-                for name, st in list(self.subscriber.pods.items())}
+                for name, st in list(self.subscriber.streams.items())}
         write_snapshot(self.cfg.snapshot_path, self.cfg, pods)
 
     def _load_snapshot(self) -> dict[PodId, int]:
@@ -221,7 +319,7 @@ class IndexerService:
         snap = load_snapshot(self.cfg.snapshot_path, self.cfg)
         if snap is None:
             return {}
-        configured = {p.name for p in self.cfg.pods}
+        configured = {p.stream_id for p in self.cfg.pods}
         resume: dict[PodId, int] = {}
         for name, (seq, entries) in snap.items():
             if name in configured:

@@ -4,6 +4,13 @@ msgspec validates while it decodes (types, ranges, required fields) and
 names the offending path in its error (``Expected `int`, got `str` - at
 `$.token_ids[3]```), which the HTTP layer returns as a 4xx ``{"error": ...}``.
 
+The router's side of ``POST /v1/route`` (one call per request: matches and
+the pull source from one hashing of the prompt)::
+
+    body = msgspec.json.encode(RouteRequest(model=m, token_ids=ids, target_pod=p,
+                                            loads={"prefill-0": 3}))
+    reply = decode_route((await http.post(url + "/v1/route", content=body)).content)
+
 Threading model: immutable values.
 """
 
@@ -15,6 +22,7 @@ import msgspec
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 PodName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+InFlight = Annotated[int, msgspec.Meta(ge=0)]
 ModelField = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
 
@@ -23,7 +31,7 @@ class LookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     token_ids: list[TokenId]
 
 
-class Match(msgspec.Struct, frozen=True):
+class Match(msgspec.Struct, frozen=True, gc=False):  # gc=False: str/int only, no cycles
     pod: str
     tier: Literal["GPU", "CPU"]
     matched_tokens: int
@@ -39,9 +47,10 @@ class SourceRequest(msgspec.Struct, frozen=True):
     token_ids: list[TokenId]
     target_pod: PodName
     min_cached_token_delta: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    loads: dict[PodName, InFlight] | None = None  # in-flight requests per pod (absent: 0)
 
 
-class Source(msgspec.Struct, frozen=True):
+class Source(msgspec.Struct, frozen=True, gc=False):
     pod: str
     tier: Literal["CPU"]
     matched_tokens: int
@@ -55,6 +64,35 @@ class SourceResponse(msgspec.Struct, frozen=True):
     delta: int
 
 
+class RouteRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """``POST /v1/route``: as ``SourceRequest``, ``target_pod`` optional (None: the source
+    for a target that holds nothing)."""
+
+    model: ModelField
+    token_ids: list[TokenId]
+    target_pod: PodName | None = None
+    min_cached_token_delta: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    loads: dict[PodName, InFlight] | None = None
+
+
+class RouteResponse(msgspec.Struct, frozen=True):
+    """``/v1/lookup``'s ``block_size`` and ``matches`` plus ``/v1/source``'s fields."""
+
+    block_size: int
+    matches: list[Match]
+    source: Source | None
+    target_matched_tokens: int
+    delta: int
+
+
+_route_decoder = msgspec.json.Decoder(RouteResponse)
+
+
+def decode_route(body: bytes) -> RouteResponse:
+    """A ``/v1/route`` answer; ``msgspec.ValidationError``/``DecodeError`` on garbage."""
+    return _route_decoder.decode(body)
+
+
 class AddPodRequest(msgspec.Struct, frozen=True):
     """Either ``spec`` (the --pod syntax) or the fields of a PodSpec."""
 
@@ -65,3 +103,4 @@ class AddPodRequest(msgspec.Struct, frozen=True):
     p2p: str | None = None
     model: str | None = None
     topic: str = ""
+    stream: str | None = None  # set: add this stream to an existing pod

@@ -64,7 +64,9 @@ def test_lookup_source_healthz_metrics(client, pub):
     r = client.post("/v1/source", json={"model": "m", "token_ids": a.toks, "target_pod": "p"})
     assert r.json() == {"source": None, "target_matched_tokens": 20, "delta": 0}
     h = client.get("/healthz").json()
-    assert h == {"status": "ok", "pods": {"p": {"connected": True, "last_seq": 0, "gaps": 0}}}
+    assert h == {"status": "ok", "pods": {"p": {
+        "connected": True, "last_seq": 0, "gaps": 0, "stale": False,
+        "streams": {"p": {"connected": True, "last_seq": 0, "gaps": 0}}}}}
     m = client.get("/metrics").text
     assert metric(m, "kvtier_indexer_events_applied_total", {"kind": "BlockStored", "pod": "p"},
                   required=True) == 2

@@ -26,7 +26,9 @@ END = (2**64 - 1).to_bytes(8, "big")
 
 
 class Publisher:
-    def __init__(self, topic="kv@p", buffer=10_000, port=None, replay_port=None, replay=True):
+    def __init__(self, topic="kv@p", buffer=10_000, port=None, replay_port=None, replay=True,
+                 host="127.0.0.1"):
+        self.host = host
         self.ctx = zmq.Context()
         self.topic = topic
         self.pub = self.ctx.socket(zmq.PUB)
@@ -45,16 +47,15 @@ class Publisher:
             self.thread = threading.Thread(target=self._serve, daemon=True)
             self.thread.start()
 
-    @staticmethod
-    def _bind(sock, port):
+    def _bind(self, sock, port):
         if port is None:
-            return sock.bind_to_random_port("tcp://127.0.0.1")
-        sock.bind(f"tcp://127.0.0.1:{port}")
+            return sock.bind_to_random_port(f"tcp://{self.host}")
+        sock.bind(f"tcp://{self.host}:{port}")
         return port
 
     def spec(self, name="p", **kw) -> PodSpec:
-        replay = f"tcp://127.0.0.1:{self.replay_port}" if self.replay_port else None
-        return PodSpec(name=name, events=f"tcp://127.0.0.1:{self.port}", replay=replay,
+        replay = f"tcp://{self.host}:{self.replay_port}" if self.replay_port else None
+        return PodSpec(name=name, events=f"tcp://{self.host}:{self.port}", replay=replay,
                        topic=self.topic, **kw)
 
     def publish(self, events, drop=False):
@@ -202,7 +203,7 @@ def test_garbage_frames_are_counted_and_skipped():
             d = svc.pod_details()["p"]
             assert d["malformed_frames"] == 3 and d["missing_batches"] == 0
             metrics = svc.metrics.render().decode()
-            assert 'kvtier_indexer_malformed_frames_total{pod="p"} 3.0' in metrics
+            assert 'kvtier_indexer_malformed_frames_total{pod="p",stream="p"} 3.0' in metrics
     finally:
         pub.close()
 
@@ -250,7 +251,8 @@ def test_pod_that_never_answers_does_not_hold_up_others():
             assert wait_until(lambda: matched(svc, a) == 2)
             assert wait_until(lambda: svc.pod_details()["dead"]["replay_timeouts"] >= 1)
             st = svc.pod_status()["dead"]
-            assert st == {"connected": False, "last_seq": -1, "gaps": 0}
+            assert {k: st[k] for k in ("connected", "last_seq", "gaps")} == {
+                "connected": False, "last_seq": -1, "gaps": 0}
     finally:
         pub.close()
 

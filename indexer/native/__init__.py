@@ -1,0 +1,27 @@
+"""Optional compiled helpers of the indexer (C, built from source by ``build``).
+
+``_kvtier_indexer_native`` (installed into the running interpreter's
+site-packages by ``python -m kvtier.indexer.native.build``) has the indexer's
+hot loops: ``request_keys`` (request keys exactly as
+``kvtier.hashing.RequestKeyHasher.keys``), ``request_keys_msgpack`` (the same
+from an event's msgpack-encoded token array), ``walk`` / ``lookup`` (the
+bitmask prefix walk of ``MemoryIndex.lookup``; ``lookup`` only on CPython
+3.11, it reads int digits) and ``store`` (``MemoryIndex.store``'s loop).
+``NATIVE`` is the module, or None when it was not built; every caller keeps a
+pure-Python path that gives identical answers (tests compare both).
+Set ``KVTIER_INDEXER_NATIVE=0`` to use the pure-Python path anyway.
+
+Threading model: the C functions hold the GIL and keep no state.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+NATIVE: ModuleType | None = None
+if os.environ.get("KVTIER_INDEXER_NATIVE", "1") != "0":
+    try:
+        import _kvtier_indexer_native as NATIVE  # type: ignore[import-not-found, no-redef]
+    except ImportError:
+        NATIVE = None
