@@ -1,25 +1,100 @@
-"""Collect `kvtier ab` reports of several regimes into one table (for benchmarks/AB.md).
+"""The pressure regimes of `kvtier ab`: generate their files, and tabulate their reports.
 
-Each argument is ``NAME=DIR`` where DIR holds a ``report.json`` written by ``kvtier ab``.
-Prints, per regime: each strategy's median TTFT, reuse rate and device block-seconds, and
-the A/B targets (``kvtier.ab.targets``) evaluated from that regime's records.
+    # write benchmarks/traces/regime-{decode-scarce,host-scarce,mixed-waits}.jsonl
+    .venv/bin/python benchmarks/ab_regimes.py gen [--out-dir benchmarks/traces]
 
-    .venv/bin/python benchmarks/ab_regimes.py main=/tmp/ab2 short=/tmp/ab-short-waits \\
-        long=/tmp/ab-long-waits small=/tmp/ab-small-deltas
+    # one table per regime (for benchmarks/AB.md) from `kvtier ab` output directories
+    .venv/bin/python benchmarks/ab_regimes.py table decode=/tmp/ab-dec host=/tmp/ab-host ...
+
+A regime file is a trace whose header line carries the stack settings that put it under
+pressure (`kvtier.ab.regimes.RegimeSettings`); `kvtier ab --trace FILE` applies them (a flag
+on the command line wins). Generation is deterministic (fixed seeds): `gen` rewrites the same
+bytes. Every trace uses vocabulary 4096 and stays under 3,000 tokens of context, so it runs on
+the tiny and the bench model alike; the regimes' pressure is in the settings:
+
+- **decode-scarce**: 8 conversations at once, short waits (median 3 s); the decode node has
+  160 blocks of KV (5,120 tokens at block size 32: `--num-gpu-blocks-override` on decode
+  only) against ~8 x 2.5k tokens of live context, so blocks retained for waiting turns
+  compete with running requests (queueing, preemption); device TTL 60 s.
+- **host-scarce**: 6 conversations, waits of ~20 s (median) against a 30 s device TTL; each
+  instance's host tier holds 25% of the trace's KV working set, so host copies are evicted
+  before their turn comes back.
+- **mixed-waits**: long-tailed waits (lognormal, median 6 s, sigma 1.8, cap 900 s; as drawn:
+  p10 0.8 s, median 13 s, p90 49 s, longest 136 s), so neither a fixed TTL nor "host only" is
+  right for every conversation. Real seconds at time scale 1 (~3.5 min of trace); a CI-sized
+  run uses `--time-scale 0.05`.
 
 Threading model: a single-threaded script.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 import msgspec
 
+from kvtier.ab.compare import intervals_markdown, pairwise_markdown
 from kvtier.ab.records import RunResult
+from kvtier.ab.regimes import RegimeSettings, save_regime
+from kvtier.ab.report import load_table
 from kvtier.ab.targets import evaluate, markdown
+from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, WaitDist, synthetic
+
+REGIMES: dict[str, tuple[SyntheticTraceConfig, RegimeSettings]] = {
+    "regime-decode-scarce": (
+        SyntheticTraceConfig(
+            name="regime-decode-scarce", conversations=8, turns=6,
+            first_prompt_tokens=LengthDist(mean=1024, spread=0.2),
+            tool_output_tokens=LengthDist(mean=256, spread=0.4),
+            response_tokens=LengthDist(mean=32, spread=0.5),
+            wait=WaitDist(kind="lognormal", median_s=3.0, sigma=0.5, max_s=20.0),
+            concurrency=8, stagger_s=0.5, seed=18, max_context_tokens=3000),
+        RegimeSettings(
+            description="decode memory scarce: 8 concurrent conversations, decode KV capped at "
+                        "160 blocks, retained turns compete with running requests",
+            max_model_len=4096, decode_num_blocks=160, decode_ttl_s=60.0, time_scale=1.0,
+            slo_ttft_p90_s=5.0)),
+    "regime-host-scarce": (
+        SyntheticTraceConfig(
+            name="regime-host-scarce", conversations=6, turns=6,
+            first_prompt_tokens=LengthDist(mean=1024, spread=0.2),
+            tool_output_tokens=LengthDist(mean=300, spread=0.4),
+            response_tokens=LengthDist(mean=32, spread=0.5),
+            wait=WaitDist(kind="lognormal", median_s=20.0, sigma=0.6, max_s=120.0),
+            concurrency=3, stagger_s=1.0, wave_interval_s=15.0, seed=19,
+            max_context_tokens=3000),
+        RegimeSettings(
+            description="host memory scarce: each host tier holds 25% of the KV working set; "
+                        "waits (~20 s) outlive a 30 s device TTL in the tail",
+            max_model_len=4096, host_fraction=0.25, decode_ttl_s=30.0, time_scale=1.0,
+            slo_ttft_p90_s=5.0)),
+    "regime-mixed-waits": (
+        SyntheticTraceConfig(
+            name="regime-mixed-waits", conversations=6, turns=8,
+            first_prompt_tokens=LengthDist(mean=768, spread=0.2),
+            tool_output_tokens=LengthDist(mean=200, spread=0.4),
+            response_tokens=LengthDist(mean=32, spread=0.5),
+            wait=WaitDist(kind="lognormal", median_s=6.0, sigma=1.8, max_s=900.0),
+            concurrency=3, stagger_s=1.0, wave_interval_s=10.0, seed=20,
+            max_context_tokens=3000),
+        RegimeSettings(
+            description="mixed waits: lognormal tool waits, median 6 s, sigma 1.8, cap 900 s "
+                        "(seconds to minutes); use --time-scale 0.05 for a CI-sized run",
+            max_model_len=4096, time_scale=1.0, slo_ttft_p90_s=5.0)),
+}
+
+
+def gen(out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, (cfg, settings) in REGIMES.items():
+        path = out_dir / f"{name}.jsonl"
+        save_regime(synthetic(cfg), settings, path)
+        paths.append(path)
+    return paths
 
 
 def load(d: Path) -> tuple[dict, list[RunResult]]:
@@ -27,30 +102,46 @@ def load(d: Path) -> tuple[dict, list[RunResult]]:
     return doc["meta"], msgspec.convert(doc["results"], list[RunResult])
 
 
-def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__)
-        return 2
-    for arg in argv:
+def table(args: list[str]) -> None:
+    for arg in args:
         name, _, d = arg.partition("=")
         meta, results = load(Path(d))
         env = meta.get("environment", {})
+        reps = max((int(r.meta.get("repeats", 1)) for r in results), default=1)
         print(f"\n### {name}: {meta.get('trace')} (time scale {meta.get('time_scale')}, "
-              f"commit {str(env.get('git_commit', '?'))[:10]})\n")
-        print("| strategy | TTFT p50 ms | TTFT longest ms | reuse rate | device block·s | "
-              "host GB·s | errors |")
-        print("|---|---|---|---|---|---|---|")
-        for r in results:
-            s = r.summary()
-            print(f"| {r.strategy} | {s['ttft_p50_s'] * 1e3:.0f} | {s['ttft_longest_s'] * 1e3:.0f} "
-                  f"| {s['reuse_rate']:.1%} | {s['device_block_s']:,.0f} | {s['host_gb_s']:.3g} "
-                  f"| {s['errors']} |")
+              f"{reps} repeat(s), commit {str(env.get('git_commit', '?'))[:10]})\n")
+        print(intervals_markdown(results))
+        print()
+        print(pairwise_markdown(results))
+        print()
+        print(load_table(results))
         print()
         print(markdown(evaluate(results)))
         if meta.get("adaptive"):
             for k, a in meta["adaptive"].items():
                 print(f"\n{k}: TTL {a.get('decode_ttl_s')} s; {a.get('ttl_choice', '')}")
-    return 0
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    g = sub.add_parser("gen", help="write the regime files")
+    g.add_argument("--out-dir", default=str(Path(__file__).parent / "traces"))
+    t = sub.add_parser("table", help="tabulate kvtier ab reports: NAME=DIR ...")
+    t.add_argument("runs", nargs="+")
+    # the old form, `ab_regimes.py NAME=DIR ...`, still tabulates
+    if argv and "=" in argv[0]:
+        argv = ["table", *argv]
+    a = ap.parse_args(argv)
+    if a.cmd == "gen":
+        for p in gen(Path(a.out_dir)):
+            print(p)
+        return 0
+    if a.cmd == "table":
+        table(a.runs)
+        return 0
+    ap.print_help()
+    return 2
 
 
 if __name__ == "__main__":

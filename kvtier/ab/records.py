@@ -12,7 +12,14 @@ TTFT, end-to-end latency and the KV transfer time.
 Over time (``MemorySample``): device blocks retained for conversations between
 turns and host-tier bytes held. Integrals are sample-and-hold (left Riemann
 sums): a value holds from its sample until the next one, and the last sample
-holds until ``meta["t_end"]`` when that is known.
+holds until ``meta["t_end"]`` when that is known. When the decode nodes count
+their own block-seconds (``meta["device_block_s_counted"]``, from
+``kvtier_decode_block_seconds_held_total``) that count is used instead, and
+``meta["device_blocks_source"]`` says which one a run has.
+
+Per run, from the engines' own metrics (``meta["engine"]``, per role, deltas over
+the run; ``engine_summary`` reads them): queue time and inter-token latency
+histograms, preemptions, peak running and waiting requests.
 
 Threading model: plain values; derived metrics are pure functions.
 """
@@ -25,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
+from kvtier.ab.stats import histogram_quantile
 from kvtier.ids import Outcome, ReusePath
 
 REUSE_PATHS: tuple[ReusePath, ...] = tuple(ReusePath)  # report column order
@@ -49,6 +57,9 @@ class TurnRecord(msgspec.Struct):
     response_tokens: int = 0
     ok: bool = True
     error: str = ""
+    # why the router did not read retained device KV for this turn (its ``served`` log's
+    # ``refusal``: stale, expired, unproven, below_threshold); "" when it read or had none
+    refusal: str = ""
 
 
 class MemorySample(msgspec.Struct):
@@ -75,8 +86,42 @@ class RunResult(msgspec.Struct):
         return [t for t in self.ok_turns if t.turn > 0]
 
     def device_block_seconds(self) -> float:
-        """Device blocks retained, integrated over the run (per run: the mean over repeats)."""
+        """Device blocks retained, integrated over the run (per run: the mean over repeats);
+        the decode nodes' own count when every run has one."""
+        counted = self.meta.get("device_block_s_counted")
+        if isinstance(counted, list) and counted:
+            return statistics.fmean(float(c) for c in counted)
+        if isinstance(counted, (int, float)):
+            return float(counted)
         return self._per_run_integral(lambda s: float(s.device_blocks_retained))
+
+    def device_blocks_peak(self) -> int:
+        return max((s.device_blocks_retained for s in self.memory), default=0)
+
+    def duration_s(self) -> float:
+        """Wall seconds the run took (summed over repeats)."""
+        windows = self.meta.get("repeat_windows")
+        if windows:
+            return float(sum(b - a for a, b in windows))
+        return float(self.meta.get("t_end") or _span(self))
+
+    def turns_per_min(self) -> float:
+        d = self.duration_s()
+        return 60.0 * len(self.ok_turns) / d if d > 0 else float("nan")
+
+    def refusals(self) -> dict[str, int]:
+        """Follow-up turns by the router's reason for not reading retained device KV."""
+        out: dict[str, int] = {}
+        for t in self.turns:
+            if t.refusal:
+                out[t.refusal] = out.get(t.refusal, 0) + 1
+        return out
+
+    def ttft_by_turn(self) -> dict[tuple[str, int], float]:
+        """TTFT keyed by (conversation, turn): the key that pairs a turn with the same turn
+        of another strategy (merged repeats keep their ``~k`` suffix, so pairs share a
+        repeat)."""
+        return {(t.conversation_id, t.turn): t.ttft_s for t in self.ok_turns}
 
     def host_gb_seconds(self) -> float:
         return self._per_run_integral(lambda s: s.host_bytes_held / 1e9)
@@ -143,6 +188,8 @@ class RunResult(msgspec.Struct):
             "errors": len(self.turns) - len(ok),
             "ttft_p50_s": _q(ttft, 0.5),
             "ttft_p90_s": _q(ttft, 0.9),
+            "ttft_p99_s": _q(ttft, 0.99),
+            "turns_per_min": self.turns_per_min(),
             "ttft_longest_s": self.ttft_at_longest(),
             "e2e_p50_s": _q(e2e, 0.5),
             "prompt_tokens": sum(t.prompt_tokens for t in ok),
@@ -153,9 +200,13 @@ class RunResult(msgspec.Struct):
             "hit_rate": self.hit_rate(),
             "expiry_rate": self.expiry_rate(),
             "device_block_s": self.device_block_seconds(),
+            "device_blocks_peak": self.device_blocks_peak(),
+            "device_blocks_source": self.meta.get("device_blocks_source", "ledger"),
             "host_gb_s": self.host_gb_seconds(),
             "reuse_by_path": self.reuse_by_path(),
             "turns_by_path": self.turns_by_path(),
+            "refusals": self.refusals(),
+            **engine_summary(self.meta.get("engine")),
         }
 
 
@@ -188,11 +239,85 @@ def merge_repeats(runs: Sequence[RunResult]) -> RunResult:
         end = r.meta.get("t_end") or span
         windows.append((offset, offset + end))
         offset += max(end, span) + REPEAT_GAP_S
-    keys = ("ttft_p50_s", "ttft_longest_s", "reuse_rate", "device_block_s", "host_gb_s")
+    keys = ("ttft_p50_s", "ttft_p90_s", "ttft_longest_s", "turns_per_min", "reuse_rate",
+            "device_block_s", "host_gb_s")
     per = [{k: summ[k] for k in keys} for summ in (r.summary() for r in runs)]
     meta = {**runs[0].meta, "repeats": len(runs), "repeat_windows": windows,
-            "t_end": windows[-1][1], "per_repeat": per}
+            "t_end": windows[-1][1], "per_repeat": per,
+            "engine": merge_engine([r.meta.get("engine") for r in runs])}
+    counted = [r.meta.get("device_block_s_counted") for r in runs]
+    if all(isinstance(c, (int, float)) for c in counted):
+        meta["device_block_s_counted"] = counted
+    else:
+        meta.pop("device_block_s_counted", None)
+        if any(c is not None for c in counted):
+            meta["device_blocks_source"] = "ledger (decode metrics missing in some repeats)"
     return RunResult(runs[0].strategy, turns, memory, meta)
+
+
+# ---------------------------------------------------------------- engine metrics -------
+# meta["engine"][role] = {"queue": H, "itl": H, "preemptions": n, "peak_running": n,
+# "peak_waiting": n}; H = {"buckets": [[le, count], ...], "sum": s, "count": n}: cumulative
+# Prometheus buckets (``le`` a string, "+Inf" included), deltas over the run, summed over the
+# role's instances.
+ENGINE_HISTOGRAMS = ("queue", "itl")
+
+
+def _add_hist(a: dict | None, b: dict | None) -> dict | None:
+    if not a:
+        return b
+    if not b:
+        return a
+    counts: dict[str, float] = {}
+    for le, c in [*a.get("buckets", []), *b.get("buckets", [])]:
+        counts[str(le)] = counts.get(str(le), 0.0) + float(c)
+    return {"buckets": sorted(([le, c] for le, c in counts.items()), key=lambda x: float(x[0])),
+            "sum": float(a.get("sum", 0.0)) + float(b.get("sum", 0.0)),
+            "count": float(a.get("count", 0.0)) + float(b.get("count", 0.0))}
+
+
+def merge_engine(parts: Sequence[dict | None]) -> dict:
+    """Several runs' (or instances') ``meta["engine"]`` as one: histograms and preemptions
+    add, peaks take the maximum."""
+    out: dict[str, dict] = {}
+    for part in parts:
+        for role, m in (part or {}).items():
+            o = out.setdefault(role, {})
+            for h in ENGINE_HISTOGRAMS:
+                merged = _add_hist(o.get(h), m.get(h))
+                if merged is not None:
+                    o[h] = merged
+            o["preemptions"] = o.get("preemptions", 0.0) + float(m.get("preemptions", 0.0))
+            for k in ("peak_running", "peak_waiting"):
+                o[k] = max(float(o.get(k, 0.0)), float(m.get(k, 0.0)))
+    return out
+
+
+def engine_summary(engine: dict | None) -> dict:
+    """The engine numbers of the summary (NaN where the run did not record them)."""
+    nan = float("nan")
+
+    def mean(h: dict | None) -> float:
+        return h["sum"] / h["count"] if h and h.get("count") else nan
+
+    def p90(h: dict | None) -> float:
+        if not h:
+            return nan
+        return histogram_quantile([(float(le), float(c)) for le, c in h["buckets"]], 0.9)
+
+    e = engine or {}
+    pre, dec = e.get("prefill", {}), e.get("decode", {})
+    return {
+        "prefill_queue_mean_s": mean(pre.get("queue")),
+        "prefill_queue_p90_s": p90(pre.get("queue")),
+        "decode_queue_mean_s": mean(dec.get("queue")),
+        "decode_queue_p90_s": p90(dec.get("queue")),
+        "decode_itl_mean_s": mean(dec.get("itl")),
+        "decode_itl_p90_s": p90(dec.get("itl")),
+        "preemptions": sum(float(m.get("preemptions", 0.0)) for m in e.values()) if e else nan,
+        "decode_peak_running": float(dec.get("peak_running", nan)),
+        "decode_peak_waiting": float(dec.get("peak_waiting", nan)),
+    }
 
 
 def _span(r: RunResult) -> float:

@@ -29,7 +29,9 @@ from typing import Any
 
 import msgspec
 
+from kvtier.ab.compare import intervals_markdown, pairwise, pairwise_markdown, strategy_intervals
 from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
+from kvtier.ab.stats import at_most
 from kvtier.ab.targets import evaluate as evaluate_targets
 from kvtier.ab.targets import markdown as targets_markdown
 from kvtier.runtime import cpu_info
@@ -131,7 +133,9 @@ def _fmt(v: object, unit: str = "") -> str:
 SUMMARY_COLUMNS = (
     ("strategy", "strategy", ""), ("turns", "turns", ""), ("errors", "errors", ""),
     ("TTFT p50 ms", "ttft_p50_s", "ms"), ("TTFT p90 ms", "ttft_p90_s", "ms"),
+    ("TTFT p99 ms", "ttft_p99_s", "ms"),
     ("TTFT longest ctx ms", "ttft_longest_s", "ms"), ("e2e p50 ms", "e2e_p50_s", "ms"),
+    ("turns/min", "turns_per_min", ""),
     ("computed tok", "computed_tokens", ""), ("reuse rate", "reuse_rate", "%"),
     ("hit rate", "hit_rate", "%"), ("expiry rate", "expiry_rate", "%"),
     ("device block·s", "device_block_s", ""), ("host GB·s", "host_gb_s", ""),
@@ -146,6 +150,53 @@ def summary_table(results: Sequence[RunResult]) -> str:
         s = r.summary()
         rows.append("| " + " | ".join(_fmt(s[k], u) for _, k, u in SUMMARY_COLUMNS) + " |")
     return "\n".join([head, sep, *rows])
+
+
+LOAD_COLUMNS = (
+    ("strategy", "strategy", ""), ("P queue mean ms", "prefill_queue_mean_s", "ms"),
+    ("P queue p90 ms", "prefill_queue_p90_s", "ms"), ("D queue mean ms", "decode_queue_mean_s", "ms"),
+    ("D ITL mean ms", "decode_itl_mean_s", "ms"), ("D ITL p90 ms", "decode_itl_p90_s", "ms"),
+    ("preemptions", "preemptions", ""), ("D peak running", "decode_peak_running", ""),
+    ("D peak waiting", "decode_peak_waiting", ""),
+    ("peak retained blocks", "device_blocks_peak", ""), ("device block·s", "device_block_s", ""),
+    ("device blocks from", "device_blocks_source", ""), ("host GB·s", "host_gb_s", ""),
+)
+
+
+def load_table(results: Sequence[RunResult]) -> str:
+    """What the engines themselves counted (queue, inter-token latency, preemptions, running
+    requests) next to the retained memory; "–" where a run did not record it."""
+    head = "| " + " | ".join(c[0] for c in LOAD_COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in LOAD_COLUMNS) + "|"
+    rows = []
+    for r in results:
+        s = r.summary()
+        rows.append("| " + " | ".join(_fmt(s[k], u) for _, k, u in LOAD_COLUMNS) + " |")
+    return "\n".join([head, sep, *rows])
+
+
+def _slo_section(results: Sequence[RunResult], slo_s: float) -> list[str]:
+    """Which strategies held the regime's TTFT p90 SLO, decided from the p90's interval."""
+    lines = [f"## TTFT p90 SLO ({slo_s * 1e3:.0f} ms), from the interval", "",
+             "| strategy | TTFT p90 ms [95% CI] | SLO |", "|---|---|---|"]
+    mark = {True: "held", False: "**broken**", None: "not resolved"}
+    for r in results:
+        iv = strategy_intervals(r).ttft_p90
+        lines.append(f"| {r.strategy} | {iv.fmt(1e3)} | {mark[at_most(iv, slo_s)]} |")
+    return lines + [""]
+
+
+def _refusal_table(results: Sequence[RunResult]) -> list[str]:
+    per = {r.strategy: r.refusals() for r in results}
+    reasons = sorted({k for v in per.values() for k in v})
+    if not reasons:
+        return []
+    lines = ["## Why retained device KV was not read (router's `refusal`, follow-up turns)", "",
+             "| strategy | " + " | ".join(reasons) + " |",
+             "|---|" + "|".join("---" for _ in reasons) + "|"]
+    lines += [f"| {s} | " + " | ".join(str(v.get(k, 0)) for k in reasons) + " |"
+              for s, v in per.items()]
+    return lines + [""]
 
 
 def _bucket_table(results: Sequence[RunResult]) -> str:
@@ -180,13 +231,27 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
         lines.append(f"- Stack: {meta['topology']}")
     if meta.get("command"):
         lines.append(f"- Command: `{meta['command']}`")
+    if meta.get("regime"):
+        rg = meta["regime"]
+        lines.append(f"- Regime: {rg.get('description') or '(no description)'}; settings: "
+                     + ", ".join(f"{k}={v}" for k, v in rg.items() if k != "description"))
     if meta.get("failed_strategies"):
         lines += ["", "**Incomplete run.** These strategies failed and are not in the tables "
                   "(their logs are under `logs/<strategy>/`):"]
         lines += [f"- `{k}`: {v}" for k, v in meta["failed_strategies"].items()]
     lines += ["", "## Summary", "", summary_table(results), ""]
-    lines += ["## Targets, from this run's records", "",
+    lines += ["## Intervals and paired ratios", "",
+              "95% bootstrap intervals (seeded, `kvtier.ab.stats`). Paired ratios compare turn "
+              "*i* of a conversation under A with the same turn under B in the same repeat; "
+              "a verdict is given only when the whole interval is on one side of 1.", "",
+              intervals_markdown(results), "", pairwise_markdown(results), ""]
+    lines += ["## Targets, from this run's records (decided from the intervals)", "",
               targets_markdown(evaluate_targets(results)), ""]
+    lines += ["## Load, latency and memory (engines' own metrics)", "", load_table(results), ""]
+    slo = (meta.get("regime") or {}).get("slo_ttft_p90_s")
+    if slo:
+        lines += _slo_section(results, float(slo))
+    lines += _refusal_table(results)
     if meta.get("adaptive"):
         lines += ["## What tiered-adaptive was configured with", ""]
         for name, a in meta["adaptive"].items():
@@ -345,6 +410,11 @@ def _repeats_section(results: Sequence[RunResult]) -> list[str]:
     return lines + [""]
 
 
+def _iv_doc(s: Any) -> dict:
+    return {"strategy": s.strategy, "ttft_p50_s": s.ttft_p50.to_dict(),
+            "ttft_p90_s": s.ttft_p90.to_dict(), "turns_per_min": s.turns_per_min.to_dict()}
+
+
 def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
                  simulated: Sequence[RunResult] | None = None,
                  sim_error: dict | None = None, plots: bool = True) -> Path:
@@ -363,6 +433,9 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
         "simulated_summary": [r.summary() for r in simulated] if simulated else None,
         "simulator_error": sim_error,
         "targets": msgspec.to_builtins(evaluate_targets(results)),
+        "intervals": [_iv_doc(strategy_intervals(r)) for r in results],
+        "paired_ttft": [{"a": p.a, "b": p.b, "ratio": p.ratio.to_dict(), "verdict": p.verdict}
+                        for p in pairwise(results)],
     }
     (out / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc)))
     md = out / "report.md"

@@ -6,7 +6,17 @@ import math
 
 import pytest
 
-from kvtier.ab.records import MemorySample, RunResult, TurnRecord, bucket_of, decode, encode
+from kvtier.ab.records import (
+    MemorySample,
+    RunResult,
+    TurnRecord,
+    bucket_of,
+    decode,
+    encode,
+    engine_summary,
+    merge_engine,
+    merge_repeats,
+)
 from kvtier.ids import Outcome, ReusePath
 
 
@@ -87,3 +97,45 @@ def test_merge_repeats_windows_and_renames():
         merge_repeats([a, RunResult("other")])
     with pytest.raises(ValueError):
         merge_repeats([])
+
+
+def _rec(name: str, conv: str, turn: int, ttft: float, refusal: str = "") -> TurnRecord:
+    return TurnRecord(name, conv, turn, 100, 0, "none", 100, ttft, ttft + 1, t_start=float(turn),
+                      refusal=refusal)
+
+
+def test_throughput_refusals_and_the_decode_nodes_own_block_seconds() -> None:
+    a = RunResult("s", [_rec("s", "c", 0, 0.1), _rec("s", "c", 1, 0.2, "expired"),
+                        _rec("s", "c", 2, 0.3, "below_threshold")],
+                  [MemorySample("s", 0.0, 10, 0)],
+                  {"t_end": 30.0, "device_block_s_counted": 120.0,
+                   "device_blocks_source": "decode metrics (kvtier_decode_*)"})
+    s = a.summary()
+    assert s["turns_per_min"] == 6.0 and s["refusals"] == {"expired": 1, "below_threshold": 1}
+    assert s["device_block_s"] == 120.0  # the nodes' count, not the sampled 10 x 30 s
+    assert s["device_blocks_peak"] == 10 and s["device_blocks_source"].startswith("decode")
+    b = RunResult("s", [_rec("s", "c", 0, 0.1)], [MemorySample("s", 0.0, 4, 0)],
+                  {"t_end": 60.0, "device_block_s_counted": 80.0})
+    m = merge_repeats([a, b])
+    assert m.device_block_seconds() == 100.0  # mean over repeats of the counts
+    assert m.turns_per_min() == pytest.approx(60.0 * 4 / 90.0)
+    assert [p["turns_per_min"] for p in m.meta["per_repeat"]] == [6.0, 1.0]
+    # pairs keep their repeat: turn 0 of repeat 2 is ("c~1", 0)
+    assert set(m.ttft_by_turn()) == {("c", 0), ("c", 1), ("c", 2), ("c~1", 0)}
+    # a repeat without the nodes' count: the ledger for all, and the report says so
+    c = RunResult("s", [_rec("s", "c", 0, 0.1)], [MemorySample("s", 0.0, 4, 0)], {"t_end": 10.0})
+    mc = merge_repeats([a, c])
+    assert "device_block_s_counted" not in mc.meta
+    assert mc.summary()["device_blocks_source"].startswith("ledger")
+
+
+def test_engine_metrics_add_over_repeats() -> None:
+    h = {"buckets": [["0.1", 1.0], ["+Inf", 2.0]], "sum": 0.5, "count": 2.0}
+    e1 = {"decode": {"queue": h, "itl": h, "preemptions": 1.0, "peak_running": 3.0}}
+    e2 = {"decode": {"queue": h, "preemptions": 2.0, "peak_running": 5.0}}
+    m = merge_engine([e1, e2])["decode"]
+    assert m["queue"] == {"buckets": [["0.1", 2.0], ["+Inf", 4.0]], "sum": 1.0, "count": 4.0}
+    assert m["itl"] == h and m["preemptions"] == 3.0 and m["peak_running"] == 5.0
+    s = engine_summary({"decode": m})
+    assert s["decode_queue_mean_s"] == 0.25 and s["preemptions"] == 3.0
+    assert s["prefill_queue_mean_s"] != s["prefill_queue_mean_s"]  # NaN: not recorded

@@ -85,3 +85,32 @@ def test_repeats_are_shown_each(tmp_path):
     doc = json.loads((tmp_path / "report.json").read_text())
     assert {s["strategy"]: s for s in doc["summary"]}["device-ttl"]["device_block_s"] == \
         pytest.approx(32.0)  # per run, not two runs' worth
+
+
+def test_report_shows_intervals_verdicts_and_engine_numbers(tmp_path):
+    fast, slow = run("device-ttl", 0.2, True), run("recompute", 1.0, False)
+    slow.meta["engine"] = {"decode": {"queue": {"buckets": [["+Inf", 2.0]], "sum": 1.0,
+                                                "count": 2.0}, "preemptions": 3.0}}
+    slow.turns[1].refusal = "expired"
+    md = write_report([slow, fast], tmp_path, {"trace": "t", "mode": "live",
+                                               "regime": {"description": "pressure",
+                                                          "slo_ttft_p90_s": 0.5}},
+                      plots=False).read_text()
+    assert "Intervals and paired ratios" in md and "[95% CI]" in md
+    assert "| device-ttl | recompute | 6 |" in md and "**faster**" in md
+    assert "Regime: pressure" in md and "TTFT p90 SLO (500 ms)" in md
+    assert "| recompute | – | – | 500.0 |" in md  # decode queue mean from the engine histogram
+    assert "expired" in md
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert [p["verdict"] for p in doc["paired_ttft"]] == ["faster"]
+    assert doc["intervals"][0]["ttft_p50_s"]["n"] == 6
+    assert {t["status"] for t in doc["targets"]} == {"not evaluated"}
+
+
+def test_demo_sentences_come_from_the_records():
+    from kvtier.ab.live.demo import explain
+
+    text = explain([run("recompute", 1.0, False), run("device-ttl", 0.2, True)], 2048, 32)
+    assert "At the longest context (~900 tokens)" in text
+    assert "device-ttl/recompute" in text and ": faster)" in text
+    assert "the decode node held on average: recompute 0.0 MiB" in text

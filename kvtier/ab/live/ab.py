@@ -8,6 +8,10 @@ simulator's error next to the measurements. ``--simulate`` runs only the simulat
 model from ``--cost FILE`` or the built-in prior). ``ab-report`` re-renders a live run's
 report from its ``report.json`` with this checkout's code.
 
+A trace file that carries a regime (``kvtier.ab.regimes``) brings its stack settings: time
+scale, context cap, device TTL, host tier size, the decode nodes' KV capacity; a flag given on
+the command line wins over the file. The simulator models none of the capacity limits.
+
 Threading model: each command runs on the caller's thread (the runner owns its helper
 threads).
 """
@@ -32,6 +36,7 @@ from kvtier.ab.live.common import (
 )
 from kvtier.ab.live.sweep import run_sweep
 from kvtier.ab.records import RunResult, merge_repeats
+from kvtier.ab.regimes import RegimeSettings, read_regime, save_regime
 from kvtier.ab.report import environment_meta, summary_table, write_report
 from kvtier.ab.strategies import StrategySpec, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
@@ -76,6 +81,14 @@ def run_ab(args: argparse.Namespace) -> int:
     """``kvtier ab``: the report of every strategy on one trace, live or simulated."""
     quiet_http_logs()
     model_dir = resolve_model(args.model)
+    regime = (read_regime(args.trace) if args.trace else None) or RegimeSettings()
+    # the command line wins over the regime file; `_flags` then repeats the values used
+    if getattr(args, "time_scale", None) is None:
+        args.time_scale = regime.time_scale or 1.0
+    if getattr(args, "max_model_len", None) is None:
+        args.max_model_len = regime.max_model_len or 4096
+    if getattr(args, "decode_ttl", None) is None:
+        args.decode_ttl = regime.decode_ttl_s
     kvbpt, max_ctx = model_facts(model_dir)
     max_ctx = min(max_ctx, args.max_model_len)
     if args.trace:
@@ -87,12 +100,16 @@ def run_ab(args: argparse.Namespace) -> int:
         raise SystemExit(f"trace {trace.name!r} reaches {need} tokens of context; the stack serves "
                          f"at most {max_ctx} (--max-model-len {args.max_model_len}, model limit "
                          f"{model_facts(model_dir)[1]}): raise --max-model-len or use a shorter trace")
-    host_bytes = _mib(args.host_mib)
+    host_bytes = _mib(args.host_mib) if args.host_mib is not None else \
+        regime.host_bytes(trace, kvbpt)
     specs = [s.topology(args.prefill, args.decode).with_host_bytes(host_bytes)
              for s in parse_list(args.strategies, args.decode_ttl)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace.save(out / "trace.jsonl")
+    if regime != RegimeSettings():
+        save_regime(trace, regime, out / "trace.jsonl")
+    else:
+        trace.save(out / "trace.jsonl")
     cost = CostModel.model_validate_json(Path(args.cost).read_text()) if args.cost else None
     meta: dict[str, Any] = {"model": f"{args.model} ({model_dir})", "trace": trace.name,
                             "conversations": len(trace.conversations),
@@ -102,6 +119,9 @@ def run_ab(args: argparse.Namespace) -> int:
                             "command": "kvtier ab " + shlex.join(_flags(args)),
                             "topology": f"{args.prefill}P{args.decode}D local vLLM stack, "
                                         f"block size {args.block_size}, KV {kvbpt} B/token"}
+    if regime != RegimeSettings():
+        meta["regime"] = {**regime.model_dump(exclude_defaults=True, mode="json"),
+                          "host_bytes_per_instance": host_bytes}
     if args.simulate:
         cost = cost or prior_cost_model(kvbpt, args.block_size)
         specs = [s.with_cost_model(cost) for s in specs]
@@ -118,7 +138,9 @@ def run_ab(args: argparse.Namespace) -> int:
     opts = RunOptions(model=str(model_dir), time_scale=args.time_scale,
                       block_size=args.block_size, max_model_len=max_ctx,
                       kv_bytes_per_token=kvbpt,
-                      log_dir=out / "logs", progress=not args.no_progress)
+                      log_dir=out / "logs", progress=not args.no_progress,
+                      extra_args=regime.extra_args, role_args=regime.role_args(),
+                      role_env=regime.role_env())
     meta["environment"] = environment_meta()  # the commit measured, not the one at report time
     t0 = time.time()
     sw = run_sweep(specs, trace, lambda s, tr: run_strategy(s, tr, opts), cost=cost,

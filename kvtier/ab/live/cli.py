@@ -3,7 +3,7 @@
     kvtier ab [--strategies recompute,device-ttl,host-p2p,tiered] [--trace FILE|--synthetic]
               [--out DIR] [--model tiny|bench|PATH] [--time-scale X] [--simulate]
     kvtier calibrate [--model tiny] [--stack ROUTER_URL] [--simulate] [--out FILE]
-    kvtier demo
+    kvtier demo [--model bench] [--strategies recompute,device-ttl,host-p2p]
 
 A live ``ab`` starts each strategy's stack in turn, replays the trace, then fits
 a cost model to the run's own turns (in-sample), replays the same trace through
@@ -22,7 +22,7 @@ import sys
 
 from kvtier.ab.live.ab import run_ab, run_ab_report
 from kvtier.ab.live.calibrate import run_calibrate
-from kvtier.ab.live.demo import DEMO_STRATEGIES, run_demo
+from kvtier.ab.live.demo import DEMO_MODEL, DEMO_STRATEGIES, run_demo
 from kvtier.ab.strategies import STRATEGY_NAMES
 
 # This module only declares the commands' arguments (its docstring is `kvtier ab --help`'s
@@ -61,19 +61,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--repeats", type=_positive_int, default=1,
                    help="run every strategy this many times, interleaved and rotated (A B C, B C A, ...); "
                         "medians pool all repeats, memory integrals are per run (live only)")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply waits (and device TTLs) by this; <1 shortens a run")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="multiply waits (and device TTLs) by this; <1 shortens a run "
+                        "(default: the regime file's, else 1)")
     p.add_argument("--decode-ttl", type=float, default=None,
                    help="device TTL (s) for strategies that retain on decode")
     p.add_argument("--host-mib", type=float, default=None,
-                   help="host tier size per instance in MiB (default: the config file's, 256)")
+                   help="host tier size per instance in MiB (default: the regime file's, else "
+                        "the config file's, 256)")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--cost", help="CostModel JSON (from kvtier calibrate --out)")
     p.add_argument("--simulate", action="store_true",
                    help="run the discrete-event simulator instead of the live stack")
     _common(p)
-    p.set_defaults(func=run_ab)
+    # None: the regime file's max_model_len, else 4096 (kvtier.ab.live.ab.run_ab)
+    p.set_defaults(func=run_ab, max_model_len=None)
 
     c = subparsers.add_parser("calibrate", help="fit the cost model; print thresholds")
     c.add_argument("--stack", help="router URL of a running stack (default: start a local one)")
@@ -89,10 +92,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     r.add_argument("--out", default=None, help="where to write (default: the same directory)")
     r.set_defaults(func=run_ab_report)
 
-    d = subparsers.add_parser("demo", help="a short A/B on the tiny model (what ./run demo runs)")
+    d = subparsers.add_parser("demo", help="a short A/B where reuse pays (what ./run demo runs)")
     d.add_argument("--strategies", default=DEMO_STRATEGIES)
+    d.add_argument("--model", default=DEMO_MODEL, help="tiny | bench | model directory")
     d.add_argument("--out", default="ab-demo")
-    d.add_argument("--time-scale", type=float, default=0.1)
+    d.add_argument("--time-scale", type=float, default=1.0)
     d.set_defaults(func=run_demo)
 
 

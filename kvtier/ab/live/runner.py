@@ -35,8 +35,15 @@ How each number is measured (also written into the report, ``MEASUREMENT``):
   client); the blocks are freed when a prefill reads them (a ``dp_read`` turn)
   or at D's TTL. The engines' ``vllm:kv_cache_usage_perc`` is sampled too
   (``meta``).
+  When the decode nodes export their own retention metrics (``KVTierNixlConnector`` with
+  decode leases, ``kvtier.ab.live.probes.DecodeRetention``) the samples are their
+  ``kvtier_decode_blocks_retained`` and block-seconds their own counter
+  (``meta["device_blocks_source"]`` says which one a run used).
 - ``host_bytes_held``: host-tier blocks per the tier's KV events (indexer
   counters: stored - removed, medium CPU) x block bytes from the model config.
+- ``meta["engine"]``: the engines' own queue time, inter-token latency, preemptions and
+  running/waiting peaks (``kvtier.ab.live.probes.EngineProbe``); ``refusal``: the router's
+  ``served`` log line for the turn (``kvtier.ab.live.probes.ServedLog``).
 
 Threading model: ``run_strategy`` is called from one thread; it owns one
 thread per conversation, a sampler thread, and the router/indexer server
@@ -58,13 +65,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from pydantic import Field
 
 from kvtier.ab.live.lock import e2e_lock
+from kvtier.ab.live.probes import (
+    DecodeRetention,
+    EngineProbe,
+    Endpoint,
+    ServedLog,
+    capture_served,
+    lease_metrics_urls,
+)
 from kvtier.ab.live.scrape import scrape
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import ConversationSpec, Trace, token_ids
-from kvtier.devstack.spec import StackSpec
+from kvtier.devstack.spec import InstanceSpec, StackSpec
 from kvtier.devstack.stack import LocalStack
 from kvtier.ids import Outcome, ReusePath
 from kvtier.router.config import RouterConfig
@@ -94,6 +110,18 @@ MEASUREMENT = {
     "host_bytes_held": "host-tier blocks (tier KV events, stored - removed, via the indexer) x "
                        "block bytes from the model config",
     "engine_kv_usage": "engines' vllm:kv_cache_usage_perc, sampled with memory (meta)",
+    "device_blocks_source": "'decode metrics': the decode nodes' kvtier_decode_blocks_retained "
+                            "(samples) and kvtier_decode_block_seconds_held_total (block·s); "
+                            "'ledger': the estimate above",
+    "queue / ITL / preemptions": "engines' vllm:request_queue_time_seconds and "
+                                 "vllm:inter_token_latency_seconds histograms and "
+                                 "vllm:num_preemptions_total, deltas over the run per role; "
+                                 "peaks of vllm:num_requests_running/waiting from the samples; "
+                                 "p90s are interpolated inside histogram buckets, so their "
+                                 "resolution is vLLM's bucket width (queue: first bound 0.3 s)",
+    "turns_per_min": "turns answered / the run's wall time (same offered load for every "
+                     "strategy: the trace's start times and waits)",
+    "refusal": "the router's served log line: why retained device KV was not read",
 }
 
 
@@ -249,17 +277,45 @@ class RunOptions:
     # One conversation after another, start times ignored (calibration: no prefill overlaps,
     # so every TTFT is a clean sample of one request's cost).
     sequential: bool = False
+    # A regime's stack settings (kvtier.ab.regimes): vLLM arguments for every instance and
+    # per role ("prefill"/"decode"), environment per role.
+    extra_args: tuple[str, ...] = ()
+    role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+class RoleStackSpec(StackSpec):
+    """A ``StackSpec`` whose instances of one role get extra vLLM arguments and environment
+    (a regime's scarce decode KV: ``--num-gpu-blocks-override`` on decode nodes only)."""
+
+    role_args: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+    role_env: dict[str, dict[str, str]] = Field(default_factory=dict)
+
+    def instances(self) -> list[InstanceSpec]:
+        out = []
+        for i in super().instances():
+            r = i.role.value
+            out.append(i.model_copy(update={
+                "extra_args": (*i.extra_args, *self.role_args.get(r, ())),
+                "extra_env": {**i.extra_env, **self.role_env.get(r, {})}}))
+        return out
 
 
 def stack_spec_for(strategy: StrategySpec, model: str, **kw: Any) -> StackSpec:
-    """The local stack that deploys ``strategy``: its topology and ``--kv-transfer-config``."""
+    """The local stack that deploys ``strategy``: its topology and ``--kv-transfer-config``
+    (and a regime's per-role settings, ``role_args`` / ``role_env``, when given)."""
     extra = tuple(kw.pop("extra_args", ()))
+    role_args, role_env = kw.pop("role_args", None), kw.pop("role_env", None)
     if not strategy.prefix_caching:
         # StackSpec always passes --enable-prefix-caching (KV events need it);
         # argparse keeps the last of the pair.
         extra = (*extra, "--no-enable-prefix-caching")
     # Usage then reports cached_tokens per request: the prefill's reused tokens.
     extra = (*extra, "--enable-prompt-tokens-details")
+    if role_args or role_env:
+        return RoleStackSpec(model=model, prefill=strategy.prefill, decode=strategy.decode,
+                             kv_transfer_config=strategy.kv_transfer_config(), extra_args=extra,
+                             role_args=role_args or {}, role_env=role_env or {}, **kw)
     return StackSpec(model=model, prefill=strategy.prefill, decode=strategy.decode,
                      kv_transfer_config=strategy.kv_transfer_config(), extra_args=extra, **kw)
 
@@ -270,7 +326,8 @@ def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
     """Run ``trace`` through ``spec``'s stack. ``stack``: an already running one (tests)."""
     spec = spec.scaled(opts.time_scale)
     sspec = stack_spec_for(spec, opts.model, block_size=opts.block_size,
-                           max_model_len=opts.max_model_len)
+                           max_model_len=opts.max_model_len, extra_args=opts.extra_args,
+                           role_args=opts.role_args, role_env=opts.role_env)
     if stack is not None:
         return _run_on(spec, trace, opts, stack)
     with stack_provider(sspec, opts.log_dir / spec.name) as st:
@@ -293,18 +350,26 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
             # before the turn itself would.
             "timeouts": {"prefill_s": opts.turn_timeout_s, "decode_idle_s": opts.turn_timeout_s},
             **spec.router_settings()})
+        served = es.enter_context(capture_served())
         srv = es.enter_context(RouterServer(rcfg, transport=tap))
         http = es.enter_context(httpx.Client(timeout=30))
-        return _replay(spec, trace, opts, stack, srv.url, tap, idx_svc, http, model_name)
+        return _replay(spec, trace, opts, stack, srv.url, tap, idx_svc, http, model_name,
+                       served)
 
 
 def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack, url: str,
             tap: LegTap, idx_svc: IndexerService | None, http: httpx.Client,
-            model_name: str) -> RunResult:
+            model_name: str, served: ServedLog | None = None) -> RunResult:
     ledger = DeviceLedger(opts.block_size, spec.decode_ttl_s if spec.device_retention else None)
     records: list[TurnRecord] = []
     memory: list[MemorySample] = []
     usage: list[dict[str, float]] = []
+    probe = EngineProbe([Endpoint(i.spec.name, i.spec.role.value, i.url)
+                         for i in stack.instances])
+    own = DecodeRetention(lease_metrics_urls([i.spec.side_channel_port for i in stack.decode],
+                                             stack.spec.kv_transfer_config))
+    probe.start(http)
+    own.start(http)
     rec_lock = threading.Lock()
     stop = threading.Event()
     prefill_urls = [i.url for i in stack.prefill]
@@ -325,11 +390,10 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         with httpx.Client(timeout=5) as c:
             while True:
                 now = time.perf_counter()
-                memory.append(MemorySample(spec.name, now - t_run, ledger.blocks(now),
-                                           host_bytes()))
-                usage.append({"t": now - t_run, **{
-                    i.spec.name: scrape(c, i.url, "vllm:kv_cache_usage_perc")
-                    for i in stack.instances}})
+                counted = own.sample(c)
+                blocks = int(counted) if math.isfinite(counted) else ledger.blocks(now)
+                memory.append(MemorySample(spec.name, now - t_run, blocks, host_bytes()))
+                usage.append({"t": now - t_run, **probe.sample(c)})
                 if stop.wait(opts.sample_interval_s):
                     return
 
@@ -340,7 +404,15 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         cid = f"{spec.name}-{conv.conversation_id}-{uuid.uuid4().hex[:6]}"
         history: list[int] = []
         last: tuple[list[int], list[int]] | None = None  # (prompt, generated) of the last turn
-        with httpx.Client(base_url=url, timeout=opts.turn_timeout_s) as c:
+        # The router's own request id (its answer's x-request-id) keys the legs the tap saw:
+        # a router that forwards the client's id on the legs returns that same id.
+        answered: dict[str, str] = {}
+
+        def on_response(resp: httpx.Response) -> None:
+            answered["rid"] = resp.headers.get("x-request-id", "")
+
+        with httpx.Client(base_url=url, timeout=opts.turn_timeout_s,
+                          event_hooks={"response": [on_response]}) as c:
             for i, turn in enumerate(conv.turns):
                 if i and turn.wait_s > 0:
                     time.sleep(turn.wait_s * opts.time_scale)
@@ -350,6 +422,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                 prompt = [*history, *token_ids(conv, i, turn.new_tokens, trace.vocab_size)]
                 rid = f"{cid}:{i}"
                 t0 = time.perf_counter()
+                answered.clear()
                 gen: list[int] | None = None
                 reuse: ReuseReport | None = None
                 err = ""
@@ -360,7 +433,10 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                     err = f"{type(e).__name__}: {e}"[:300]
                 t1 = time.perf_counter()
                 r = _record(spec.name, conv.conversation_id, i, t0 - t_run, t0, t1,
-                            tap.take(rid), len(prompt), gen, reuse, err, ledger, cid)
+                            tap.take(answered.get("rid") or rid), len(prompt), gen, reuse,
+                            err, ledger, cid)
+                if served is not None:
+                    r.refusal = served.take(rid)
                 with rec_lock:
                     records.append(r)
                 bar.update(1)
@@ -389,10 +465,18 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
     xfer = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in prefill_urls) - xfer0
     _split_transfer(records, xfer)
     records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
-    return RunResult(spec.name, records, memory, {
+    meta: dict[str, Any] = {
         "t_end": t_end, "strategy_spec": spec.model_dump(), "nixl_xfer_time_s": xfer,
         "engine_kv_usage": usage, "instances": [d["name"] for d in stack.describe()],
-        "topology": f"{len(stack.prefill)}P{len(stack.decode)}D"})
+        "topology": f"{len(stack.prefill)}P{len(stack.decode)}D",
+        "engine": probe.finish(http), "device_blocks_source": "ledger"}
+    counted_s = own.finish(http)
+    if math.isfinite(counted_s):
+        meta.update(device_block_s_counted=counted_s,
+                    device_blocks_source="decode metrics (kvtier_decode_*)")
+    elif own.urls:
+        meta["device_blocks_source"] = "ledger (decode metrics not readable)"
+    return RunResult(spec.name, records, memory, meta)
 
 
 def _complete(c: httpx.Client, model: str, cid: str, rid: str, prompt: list[int],

