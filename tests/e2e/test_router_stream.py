@@ -115,12 +115,11 @@ def _five_streamed_turns(http, stack, router, conv: str | None) -> list[dict]:
         assert finish == "length" and usage is not None and usage.completion_tokens == MAX_TOKENS
         msgs.append({"role": "assistant", "content": text})
     print(f"\nconv={conv!r}:", *turns, sep="\n  ")
-    # Token by token: many content chunks, the first long before the end (a buffered turn's
-    # first chunk comes at the very end). A turn's first D->P read also pays the NIXL
-    # handshake before its first token, so one turn may start late.
+    # Token by token: many content chunks per turn (a buffered turn arrives as one chunk at
+    # the very end). When the first chunk arrives relative to the whole turn is a timing, which
+    # belongs to benchmarks (the loaded CI machine made a "before half the turn" check flaky).
     for t in turns:
         assert t["chunks"] >= 20 and t["first_s"] is not None, t
-    assert sum(t["first_s"] < t["total_s"] / 2 for t in turns) >= 4, turns
     assert turns[0]["dp_read"] == 0
     for t in turns[1:]:
         assert t["dp_read"] == 1 and t["external_tokens"] > 0, t
