@@ -3,6 +3,7 @@
 ``create_app(config)`` builds a ready app (tests, the demo and the A/B harness
 run it in-process); ``kvtier router`` serves it with uvicorn. Routes:
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``DELETE /v1/conversations/{id}`` (forget a conversation, release its decode blocks),
 ``GET /healthz``, ``GET /metrics``.
 
 Completions answers carry the router's reuse decision (``legs.ReuseReport``) as
@@ -47,10 +48,17 @@ from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Reply, Router, tenant_of
 from kvtier.router.legs import EngineClientError, UpstreamError
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.requests import BadRequest, Endpoint, forward_headers, parse_inbound
+from kvtier.router.requests import (
+    MAX_CONVERSATION_ID_LEN,
+    BadRequest,
+    Endpoint,
+    forward_headers,
+    parse_inbound,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
+from kvtier.ids import ConversationId
 from kvtier.wire.reuse_headers import ReuseReport
 
 log = logging.getLogger("kvtier.router")
@@ -172,6 +180,24 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
     # Plain Starlette routes: the hot path needs no FastAPI dependency solving.
     app.router.routes.append(Route("/v1/chat/completions", chat, methods=["POST"]))
     app.router.routes.append(Route("/v1/completions", completions, methods=["POST"]))
+
+    async def close_conversation(request: Request) -> Response:
+        """Forget a conversation's retained turn and release its decode blocks now (OpenAI's
+        ``DELETE /v1/conversations/{id}`` shape). Only the tenant that made it can close it;
+        anyone else gets the same 404 as for an unknown id."""
+        tenant = authorize(request)
+        if tenant is None:
+            return error(401, "missing or invalid bearer token", "authentication_error")
+        conv = request.path_params["conversation_id"]
+        if not conv or len(conv) > MAX_CONVERSATION_ID_LEN:
+            return error(400, "invalid conversation id")
+        if not await router.close(tenant, ConversationId(conv)):
+            return error(404, f"no retained conversation {conv!r}", "not_found_error")
+        log.info("conversation closed", extra={"conversation_id": conv})
+        return JSONResponse({"id": conv, "object": "conversation.deleted", "deleted": True})
+
+    app.router.routes.append(Route("/v1/conversations/{conversation_id:path}",
+                                   close_conversation, methods=["DELETE"]))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

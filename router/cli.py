@@ -77,6 +77,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="whole prefill leg, seconds (default 60)")
     ap.add_argument("--decode-idle-timeout", type=float, default=None, metavar="S",
                     help="longest gap between two bytes of a decode leg, seconds (default 120)")
+    ap.add_argument("--decode-lease-s", type=float, default=None, dest="decode_lease_s",
+                    metavar="S", help="lease of each retained turn on decode nodes that have "
+                    "a lease endpoint (config: instances[].lease), renewed while held "
+                    "(default 30)")
+    ap.add_argument("--retention", choices=["renew", "adaptive"], default=None,
+                    help="hold retained turns while the store keeps them (renew, default) or "
+                         "per conversation from the cost model and observed waits (adaptive; "
+                         "needs --cost-model)")
     ap.set_defaults(func=run)
 
 
@@ -86,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides = {k: getattr(args, k, None) for k in (
         "prefill", "decode", "indexer", "host", "port", "api_keys", "block_size",
         "decode_kv_ttl_s", "stream_capture", "cost_model", "store", "workers",
-        "engine_api_key")}
+        "engine_api_key", "decode_lease_s", "retention")}
     timeouts = {k: v for k, v in (("prefill_s", getattr(args, "prefill_timeout", None)),
                                   ("decode_idle_s", getattr(args, "decode_idle_timeout", None)))
                 if v is not None}

@@ -40,6 +40,17 @@ class InstanceConfig(BaseModel):
     # A decode node's finished-request params feed (KVTierNixlConnector's ZMQ PUB,
     # tcp://HOST:PORT): lets a streamed decode leg keep its KV for the next turn.
     params_feed: str | None = None
+    # A decode node's lease server (KVTierNixlConnector with decode_lease_s, tcp://HOST:PORT):
+    # the router renews the turns it retains there and releases those it gives up
+    # (router/retention.py). Without one the node keeps them for vLLM's TTL.
+    lease: str | None = None
+
+    @field_validator("params_feed", "lease")
+    @classmethod
+    def _zmq(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith(("tcp://", "ipc://")) and len(v) > 6):
+            raise ValueError(f"expected a ZMQ endpoint tcp://HOST:PORT, got {v!r}")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -108,6 +119,15 @@ class RouterConfig(BaseModel):
     # provably starts with (same tenant); every P/D turn is retained for that.
     implicit_sessions: bool = True
     min_cached_token_delta: int = Field(0, ge=0)
+    # Decode leases (instances with a ``lease`` endpoint): the lease each retained turn gets
+    # (renewed every third of it while held; a dead router frees within one), and how long
+    # to hold: "renew" while the store keeps the turn, "adaptive" per conversation and turn
+    # from the cost model and the waits observed (kvtier.cost.hold; needs cost_model with a
+    # dp_read link). ``host_copy``: a host tier keeps a copy of every turn (the adaptive
+    # choice prices releasing against reading that copy, not a recompute).
+    decode_lease_s: float = Field(30.0, gt=0)
+    retention: Literal["renew", "adaptive"] = "renew"
+    host_copy: bool = False
     # A cost model (the JSON `kvtier calibrate --out` writes). With one, the router picks the
     # reuse path per turn by expected TTFT (kvtier.cost.decide, the decision the
     # CostAwareConnector and the simulator make) and hands the prefill only that path's
@@ -185,6 +205,10 @@ class RouterConfig(BaseModel):
             raise ValueError("at least one decode (or both) instance is required")
         if self.ttl_margin_s >= self.decode_kv_ttl_s:
             raise ValueError("ttl_margin_s must be below decode_kv_ttl_s")
+        if self.retention == "adaptive" and (self.cost_model is None
+                                             or "dp_read" not in self.cost_model.reads):
+            raise ValueError("retention: adaptive needs a cost_model with a dp_read link "
+                             "(kvtier calibrate --out FILE)")
         if self.workers > 1 and self.store == "memory":
             raise ValueError(
                 f"workers={self.workers} with the memory store: each worker would keep its own "

@@ -11,7 +11,8 @@ For a request in P/D mode:
    non-streaming, ``do_remote_decode``, D->P params and/or ``remote_kv_source``)
    with the verified ids so no engine re-tokenizes differently.
 3. Choose a decode, hand it the prefill's params, relay its answer, and keep D's
-   params plus ``prompt ids + generated ids`` for the next turn. A streaming
+   params plus ``prompt ids + generated ids`` for the next turn (``decode.py``, a part of
+   ``Router`` in its own file). A streaming
    client with ``stream_capture: stream`` (default) gets decode's own stream, relayed
    event by event (engine transfer params taken out); D's params come from the decode
    node's params feed (``feed.py``), matched by a tag in the leg's ``X-Request-Id``,
@@ -23,6 +24,11 @@ Sessions: a request names its conversation (``conversation_id``, ``session_id``,
 ``prompt_cache_key``, or their headers), or, with ``implicit_sessions``, continues the
 conversation whose retained ids its prompt starts with (``store.find``); an unnamed first
 turn is retained under a fresh ``~``-prefixed id.
+
+Decode leases (``retention.py``): a taken turn's lease is renewed right before its params are
+offered (fresh deadline), forgotten when the prefill read it, released otherwise; a retained
+turn is held per ``retention`` (renew / adaptive); ``close`` serves
+``DELETE /v1/conversations/{id}``.
 
 Every answer carries a ``ReuseReport``: the reuse path its prefill leg took (``ReusePath``),
 the prompt tokens that path was planned to supply, and the ``Outcome`` for the conversation's
@@ -51,38 +57,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
 from kvtier.router.config import RouterConfig
+from kvtier.router.decode import DecodeLeg
 from kvtier.router.feed import ParamsFeed
-from kvtier.router.legs import EngineClientError, Legs, StreamBroken, UpstreamError
+from kvtier.router.legs import EngineClientError, Legs, UpstreamError
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.plan import plan as _plan
 from kvtier.router.pool import InstancePool, InstanceState
+from kvtier.router.reply import Refusal, Reply, clean_response, tenant_of
 from kvtier.router.requests import (
     Endpoint,
     Inbound,
-    decode_body,
     direct_body,
     prefill_body,
     tokenize_body,
 )
+from kvtier.router.retention import Retention
 from kvtier.router.retry import Attempts, Exhausted, Failure, RetryPolicies
-from kvtier.router.sse import (
-    DONE,
-    Garbage,
-    chat_events,
-    completion_events,
-    error_event,
-    strip_params,
-)
 from kvtier.router.store import (
     ConversationBackend,
     ConversationStore,
@@ -94,7 +91,7 @@ from kvtier.router.store import (
 
 from kvtier.ids import ConversationId, Outcome, PodId, ReusePath
 from kvtier.transfer_params import KVTransferParams, NixlParams
-from kvtier.wire.params_feed import FinishedParams, new_tag
+from kvtier.wire.leases import ReleaseReason
 from kvtier.wire.reuse_headers import ReuseReport
 
 # Re-exported: the app relays these (see legs.py).
@@ -105,29 +102,7 @@ log = logging.getLogger("kvtier.router")
 _NO_REUSE = ReuseDecision(Outcome.NONE, None, 0)
 
 
-class Refusal:
-    """Why a conversation's retained device KV was not read (the ``refusal`` log field)."""
-
-    STALE = "stale"          # its decode node is gone, or the engine refused the params
-    EXPIRED = "expired"      # retained past its TTL
-    UNPROVEN = "unproven"    # the prompt does not start with its tokens (or was not tokenized)
-    BELOW_THRESHOLD = "below_threshold"  # the cost model chose another path or recompute
-
-
-@dataclass
-class Reply:
-    status: int = 200
-    json: Any = None
-    stream: AsyncIterator[bytes] | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # log fields
-    reuse: ReuseReport = field(default_factory=ReuseReport)
-
-
-def tenant_of(api_key: str | None) -> str:
-    return hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
-
-
-class Router:
+class Router(DecodeLeg):
     def __init__(self, config: RouterConfig,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.cfg = config
@@ -135,7 +110,7 @@ class Router:
         self.pool = InstancePool(config.prefill_instances, config.decode_instances,
                                  config.eject_after_failures, config.readmit_probe_s,
                                  on_eject=self._ejected)
-        self.store: ConversationBackend = open_store(
+        self.store = open_store(
             config.store, max_entries=config.store_max_entries,
             max_bytes=config.store_max_bytes, block_size=config.block_size,
             ttl_s=config.entry_ttl_s, namespace=config.store_namespace,
@@ -148,16 +123,20 @@ class Router:
         self.client = self.legs.client  # health checks and /v1/models share it
         self.feed = ParamsFeed({i.name: i.params_feed for i in config.decode_instances
                                 if i.params_feed}, self.metrics)
+        self.retention = Retention(config, self.metrics)
         self._health_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------
     async def start(self, health_checks: bool = True) -> None:
         await self.feed.start()
+        await self.retention.start()
         if health_checks:
             self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
         await self.feed.stop()
+        # A memory store dies with this process: nobody will offer its turns again.
+        await self.retention.stop(release_all=isinstance(self.store, ConversationStore))
         if self._health_task is not None:
             self._health_task.cancel()
             # Shutting down: whatever the health loop died of no longer matters.
@@ -180,6 +159,8 @@ class Router:
         for inst in self.pool.all():
             m.healthy.labels(inst.name, inst.cfg.role.value).set(1 if inst.healthy else 0)
             m.in_flight.labels(inst.name).set(inst.in_flight)
+            if self.retention.has(inst.name):
+                m.leases_held.labels(inst.name).set(self.retention.keeper.held(inst.name))
         st = await self.store.astats()
         m.conversations.set(st.entries)
         if st.nbytes is not None:
@@ -207,6 +188,7 @@ class Router:
 
     def _pod_down(self, pod: PodId) -> None:
         """``pod`` refused a connection: it is gone, and the KV it retained with it."""
+        self.retention.pod_down(pod)
         if isinstance(self.store, ConversationStore):
             self._dropped_pod(self.store.discard_pod(pod))
             return
@@ -250,12 +232,23 @@ class Router:
                 self._looked_up(entry, expired, "implicit")
                 conv = conv or found
         if entry is not None:
+            self.retention.arrived(tenant, entry.conversation)
             if ids is None:
                 ids = await self._tokenize(inb, headers)
             decision, refusal = self._prove(entry, ids)
         if conv is None and self.cfg.implicit_sessions:
             conv = ConversationId("~" + uuid.uuid4().hex[:20])
-        return await self._pd(inb, headers, tenant, conv, ids, decision, refusal)
+        return await self._pd(inb, headers, tenant, conv, ids, decision, refusal, entry)
+
+    async def close(self, tenant: str, conv: ConversationId) -> bool:
+        """The client closed ``conv`` (``DELETE /v1/conversations/{id}``): forget its retained
+        turn and release its decode blocks now. False when this tenant has no such
+        conversation retained."""
+        entry, _ = await self.store.atake(tenant, conv)
+        if entry is None:
+            return False
+        await self.retention.close(entry)
+        return True
 
     def _looked_up(self, entry: RetainedKV | None, expired: bool, session: str) -> None:
         result = ("hit" if entry is not None else "expired" if expired
@@ -273,6 +266,9 @@ class Router:
         if holder is None or not holder.healthy:
             self.metrics.params_dropped.labels("decode_down").inc()
             return ReuseDecision(Outcome.STALE, None, 0), Refusal.STALE
+        if self.retention.gone(entry):
+            self.metrics.params_dropped.labels("released").inc()
+            return ReuseDecision(Outcome.EXPIRED, None, 0), Refusal.RELEASED
         d = prove_prefix(entry, ids, self.cfg.block_size)
         if d.outcome is Outcome.STALE:
             self.metrics.params_dropped.labels("stale").inc()
@@ -284,7 +280,28 @@ class Router:
     # ---- the P/D flow ----------------------------------------------------
     async def _pd(self, inb: Inbound, headers: dict[str, str], tenant: str,
                   conv: ConversationId | None, ids: tuple[int, ...] | None,
-                  decision: ReuseDecision, refusal: str | None = None) -> Reply:
+                  decision: ReuseDecision, refusal: str | None = None,
+                  entry: RetainedKV | None = None) -> Reply:
+        read = False
+        try:
+            if entry is not None and decision.params is not None:
+                confirmed = await self.retention.confirm(entry, decision.params)
+                if confirmed is None:
+                    self.metrics.params_dropped.labels("released").inc()
+                    decision, refusal = ReuseDecision(Outcome.EXPIRED, None, 0), Refusal.RELEASED
+                else:
+                    decision = ReuseDecision(decision.outcome, confirmed, decision.reused_tokens)
+            reply, read = await self._pd_legs(inb, headers, tenant, conv, ids, decision, refusal)
+            return reply
+        finally:
+            if entry is not None:
+                self.retention.ended(entry, read, _release_reason(decision.outcome))
+
+    async def _pd_legs(self, inb: Inbound, headers: dict[str, str], tenant: str,
+                       conv: ConversationId | None, ids: tuple[int, ...] | None,
+                       decision: ReuseDecision, refusal: str | None,
+                       ) -> tuple[Reply, bool]:
+        """Prefill then decode; the reply, and whether the prefill read the retained KV."""
         info: dict[str, Any] = {"reuse": decision.outcome.value}
         if conv is not None:
             info["session"] = conv
@@ -338,13 +355,15 @@ class Router:
             report = ReuseReport(path, tokens, decision.outcome)
             break
         if pre is None:
-            return await self._exhausted(run, None, inb, headers, decision.outcome)
+            return await self._exhausted(run, None, inb, headers, decision.outcome), False
+        read = reuse is not None and report.path is ReusePath.DP_READ
         if ids is None and conv is not None:
             ids = _prompt_ids_of(inb.endpoint, pre)
         p_params = KVTransferParams.from_wire(pre.get("kv_transfer_params"))
         p_wire = p_params.nixl.model_dump(exclude_none=True) if p_params and p_params.nixl else None
         try:
-            return await self._decode(inb, headers, tenant, conv, ids, p_wire, info, report)
+            return await self._decode(inb, headers, tenant, conv, ids, p_wire, info,
+                                      report), read
         except (EngineClientError, UpstreamError) as e:
             e.reuse = report  # the prefill answered: its reuse goes on the error too
             raise
@@ -366,142 +385,6 @@ class Router:
             return await self._direct(inb, headers, reason=f"{p.leg}_failed", outcome=outcome,
                                       avoid=run.tried)
         raise last or UpstreamError(p.leg, None, Failure.NO_INSTANCE)
-
-    async def _decode(self, inb: Inbound, headers: dict[str, str], tenant: str,
-                      conv: ConversationId | None, ids: tuple[int, ...] | None,
-                      p_params: dict[str, Any] | None, info: dict[str, Any],
-                      report: ReuseReport) -> Reply:
-        track = conv is not None and p_params is not None
-        mode = self.cfg.stream_capture if inb.stream else "buffered"
-        run = Attempts(self.retry.decode)
-        for _ in run:
-            d = self.pool.choose(self.pool.decode, exclude=run.tried)
-            if d is None:
-                break
-            params = p_params if run.kv_usable else None
-            # How this leg is run: streamed with its params from the decode node's feed,
-            # non-streaming with its params in the answer (buffered), or streamed without
-            # keeping anything (passthrough, or nothing to keep).
-            feed = (track and inb.stream and mode == "stream" and params is not None
-                    and self.feed.has(d.name))
-            # Without a feed, a streaming client is buffered only for a conversation it
-            # named; an unnamed one keeps its token-by-token stream (and no reuse).
-            relay_only = inb.stream and (mode == "passthrough" or inb.conversation is None)
-            capture = (track and ids is not None and params is not None and not feed
-                       and not relay_only)
-            upstream_stream = inb.stream and not capture
-            body = decode_body(inb, params, ids, stream=upstream_stream, want_ids=capture)
-            info["decode"] = d.name
-            leg_headers, tag = headers, None
-            if feed and conv is not None:
-                tag = new_tag()
-                if self.feed.expect(d.name, tag):
-                    rid = headers.get("x-request-id", "")
-                    leg_headers = {**headers, "x-request-id": f"{rid}-{tag}" if rid else tag}
-                    info["capture"] = "feed"
-                else:
-                    tag = None
-            try:
-                if upstream_stream:
-                    stream = await self.legs.open_stream(d, "decode", inb.endpoint.path, body,
-                                                         leg_headers)
-                    relay = self._relay(stream, d, tag, conv if tag else None, tenant, ids)
-                    return Reply(200, stream=relay, info=info, reuse=report)
-                resp = await self.legs.post_json(d, "decode", inb.endpoint.path, body, headers,
-                                                 self.cfg.timeouts.decode_idle_s)
-            except UpstreamError as e:
-                if tag is not None:
-                    self.feed.forget(d.name, tag)
-                self._retrying(run, d, e)
-                continue
-            except BaseException:
-                if tag is not None:
-                    self.feed.forget(d.name, tag)
-                raise
-            if capture and conv is not None and ids is not None:
-                params_of = KVTransferParams.from_wire(resp.get("kv_transfer_params"))
-                choices = resp.get("choices") or []
-                gen = choices[0].get("token_ids") if choices else None
-                if params_of is not None and isinstance(gen, list):
-                    await self._retain(conv, tenant, d, params_of, [*ids, *gen], len(ids))
-            return self._answer(inb, resp, info, report)
-        return await self._exhausted(run, None, inb, headers, report.outcome)
-
-    async def _relay(self, stream: AsyncIterator[bytes], d: InstanceState, tag: str | None,
-                     conv: ConversationId | None, tenant: str,
-                     ids: tuple[int, ...] | None) -> AsyncIterator[bytes]:
-        """Relay a decode leg's stream with engine transfer params taken out. With a feed
-        ``tag``, hold the final ``[DONE]`` until the decode node's params for this leg
-        arrived (or ``params_wait_s`` passed) and are retained, so a client that sends its
-        next turn on ``[DONE]`` finds them."""
-        inline: list[dict[str, Any]] = []
-        done = False
-        try:
-            try:
-                async for events in strip_params(stream, inline.append):
-                    if events.endswith(DONE):
-                        done = True
-                        if tag is not None:
-                            events = events[:-len(DONE)]
-                            if not events:
-                                continue
-                    yield events
-            except Garbage as e:
-                self.legs.midstream("decode", d, f"not SSE: {e}")
-                yield error_event("upstream decode sent a malformed stream")
-                yield DONE
-                return
-            except StreamBroken as e:
-                yield error_event(str(e))
-                yield DONE
-                return
-            if not done:
-                # The engine's stream ended without [DONE]: it died or was cut.
-                self.legs.midstream("decode", d, "stream ended without [DONE]")
-                yield error_event("upstream decode ended the stream early")
-                yield DONE
-                return
-            if inline:
-                self.metrics.params_in_stream.inc(len(inline))
-            if tag is not None and conv is not None:
-                msg = await self.feed.wait(d.name, tag, self.cfg.params_wait_s)
-                if msg is not None:
-                    await self._retain_finished(conv, tenant, d, ids, msg)
-            if tag is not None:
-                yield DONE
-        finally:
-            if tag is not None:
-                self.feed.forget(d.name, tag)
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
-
-    async def _retain_finished(self, conv: ConversationId, tenant: str, d: InstanceState,
-                               ids: tuple[int, ...] | None, msg: FinishedParams) -> None:
-        """Keep what the decode node's feed said it retained for this leg."""
-        params = KVTransferParams.from_wire(msg.kv_transfer_params)
-        tokens = msg.token_ids
-        if params is None or (ids is not None and tokens[:len(ids)] != ids):
-            return  # not the prompt this router proved and sent: do not trust it
-        await self._retain(conv, tenant, d, params, list(tokens), len(ids) if ids else 0)
-
-    async def _retain(self, conv: ConversationId, tenant: str, d: InstanceState,
-                      params: KVTransferParams, token_ids: list[int], prompt_len: int) -> None:
-        if not params.nixl or not params.nixl.has_remote_blocks:
-            return
-        entry = RetainedKV.build(conv, tenant, d.name, params.nixl, token_ids,
-                                 time.monotonic() + self.cfg.entry_ttl_s, prompt_len)
-        await self.store.aput(entry)
-
-    def _answer(self, inb: Inbound, resp: dict[str, Any], info: dict[str, Any],
-                report: ReuseReport) -> Reply:
-        _clean_response(resp, inb.client_wants_token_ids)
-        if not inb.stream:
-            return Reply(200, json=resp, info=info, reuse=report)
-        events = (chat_events if inb.endpoint is Endpoint.CHAT else completion_events)(
-            resp, inb.include_usage)
-        return Reply(200, stream=_aiter(events), info=info, reuse=report)
 
     async def _direct(self, inb: Inbound, headers: dict[str, str], reason: str,
                       outcome: Outcome, avoid: Iterable[PodId] = ()) -> Reply:
@@ -534,7 +417,7 @@ class Router:
                 last = e
                 self._retrying(run, inst, e)
                 continue
-            _clean_response(resp, True)
+            clean_response(resp, True)
             return Reply(200, json=resp, info=info, reuse=report)
         return await self._exhausted(run, last, inb, headers, outcome)
 
@@ -560,6 +443,15 @@ class Router:
         return None
 
 
+def _release_reason(outcome: Outcome) -> ReleaseReason:
+    """Why a taken turn that was not read is released."""
+    if outcome is Outcome.STALE:
+        return ReleaseReason.DROPPED
+    if outcome is Outcome.TRIMMED:
+        return ReleaseReason.TRIMMED
+    return ReleaseReason.MOVED
+
+
 def _prompt_ids_of(endpoint: Endpoint, resp: dict[str, Any]) -> tuple[int, ...] | None:
     if endpoint is Endpoint.CHAT:
         ids = resp.get("prompt_token_ids")
@@ -569,20 +461,3 @@ def _prompt_ids_of(endpoint: Endpoint, resp: dict[str, Any]) -> tuple[int, ...] 
     if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
         return tuple(ids)
     return None
-
-
-def _clean_response(resp: dict[str, Any], keep_ids: bool) -> None:
-    """Never show clients the engines' transfer params (block ids, hosts)."""
-    resp.pop("kv_transfer_params", None)
-    if keep_ids:
-        return
-    resp.pop("prompt_token_ids", None)
-    for ch in resp.get("choices") or []:
-        if isinstance(ch, dict):
-            ch.pop("token_ids", None)
-            ch.pop("prompt_token_ids", None)
-
-
-async def _aiter(it: Iterator[bytes]) -> AsyncIterator[bytes]:
-    for x in it:
-        yield x

@@ -46,7 +46,8 @@ class LeaseKeeper:
     def __init__(self, endpoints: dict[PodId, str], lease_s: float, *,
                  timeout_s: float = 1.0,
                  on_lost: Callable[[PodId, str], None] | None = None,
-                 on_result: Callable[[str, str], None] | None = None) -> None:
+                 on_result: Callable[[str, str], None] | None = None,
+                 on_release: Callable[[ReleaseReason, int], None] | None = None) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, not {lease_s!r}")
         self.endpoints = dict(endpoints)
@@ -54,6 +55,7 @@ class LeaseKeeper:
         self.timeout_s = timeout_s
         self.on_lost = on_lost
         self.on_result = on_result or (lambda op, result: None)
+        self.on_release = on_release or (lambda reason, n: None)
         self._held: dict[PodId, dict[str, _Held]] = {p: {} for p in self.endpoints}
         self._ctx = zmq.asyncio.Context.instance()
         self._socks: dict[PodId, zmq.asyncio.Socket] = {}
@@ -84,6 +86,9 @@ class LeaseKeeper:
     def held(self, pod: PodId) -> int:
         return len(self._held.get(pod, {}))
 
+    def tracked(self, pod: PodId) -> list[str]:
+        return list(self._held.get(pod, {}))
+
     # ---- calls -----------------------------------------------------------------
     async def release(self, pod: PodId, request_ids: Iterable[str],
                       reason: ReleaseReason) -> None:
@@ -91,7 +96,8 @@ class LeaseKeeper:
         for rid in ids:
             self.forget(pod, rid)
         if ids and pod in self.endpoints:
-            await self._call(pod, LeaseRequest(Op.RELEASE, ids, None, reason))
+            self.on_release(reason, len(ids))
+            await self.call(pod, LeaseRequest(Op.RELEASE, ids, None, reason))
 
     async def renew_all(self) -> None:
         """One renewal round: renew what is still worth holding, release the rest."""
@@ -103,7 +109,7 @@ class LeaseKeeper:
             ids = tuple(held)
             if not ids:
                 continue
-            reply = await self._call(pod, LeaseRequest(Op.RENEW, ids, self.lease_s))
+            reply = await self.call(pod, LeaseRequest(Op.RENEW, ids, self.lease_s))
             if reply is None:
                 continue
             for rid, state in reply.leases.items():
@@ -117,7 +123,8 @@ class LeaseKeeper:
                     if self.on_lost is not None:
                         self.on_lost(pod, rid)
 
-    async def _call(self, pod: PodId, req: LeaseRequest) -> LeaseReply | None:
+    async def call(self, pod: PodId, req: LeaseRequest) -> LeaseReply | None:
+        """One request to ``pod``'s lease server; None when it did not answer in time."""
         lock = self._locks.setdefault(pod, asyncio.Lock())
         async with lock:
             sock = self._socks.get(pod)

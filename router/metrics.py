@@ -87,3 +87,21 @@ class RouterMetrics:
                                        registry=r)
         self.dependency_up = Gauge(p + "dependency_up", "1 while a dependency answers "
                                    "(indexer, store)", ["dependency"], registry=r)
+        # Decode leases (router/retention.py): the router's side of retained device KV.
+        self.lease_calls = Counter(p + "lease_calls", "Calls to decode nodes' lease servers "
+                                   "by op (renew, release) and result (ok, refused, "
+                                   "unavailable)", ["op", "result"], registry=r)
+        self.lease_releases = Counter(p + "lease_releases", "Retained turns released early, "
+                                      "by reason (closed, dropped, trimmed, moved)", ["reason"],
+                                      registry=r)
+        self.lease_lost = Counter(p + "lease_lost", "Leases a renewal found gone (expired, "
+                                  "read or released elsewhere): their params are not offered",
+                                  registry=r)
+        self.leases_held = Gauge(p + "leases_held", "Retained turns this router renews, per "
+                                 "decode instance", ["instance"], registry=r)
+        self.hold_choices = Counter(p + "hold_choices", "Per-turn retention choices by basis "
+                                    "(renew: fixed; adaptive: conversation, fleet, default) and "
+                                    "action (hold, release)", ["basis", "action"], registry=r)
+        self.hold_seconds = Histogram(p + "hold_seconds", "How long each retained turn is held "
+                                      "on its decode device (0: released at once)",
+                                      buckets=(0, 1, 5, 15, 30, 60, 120, 300, 600), registry=r)

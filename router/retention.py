@@ -1,0 +1,203 @@
+"""What the router holds on decode devices between turns, and for how long.
+
+With decode leases (a decode node running ``KVTierNixlConnector`` with ``decode_lease_s``, and
+the instance's ``lease`` endpoint in the router config) a retained turn's blocks live only as
+long as somebody renews their lease. ``Retention`` is the flow's one handle on that:
+
+- ``leg_params`` puts the router's lease (``decode_lease_s``) into each decode leg's params, so
+  the node grants that lease whatever its own default;
+- ``retained`` starts holding a turn the store kept: with ``retention: renew`` for as long as
+  the store keeps the entry, with ``retention: adaptive`` for what ``HoldPolicy`` chose from the
+  cost model and the waits observed so far (0 s: released at once, the host copy or a
+  recompute serves the next turn). The choice and its inputs go to the log and the metrics;
+- ``confirm`` renews a taken turn's lease right before its params are offered to a prefill
+  (one round trip) and patches the fresh deadline into ``remote_blocks_expiry_time``, so a
+  turn held longer than its first lease is still read; a lease found gone refuses the reuse
+  (``released``) instead of offering a read the prefill would decline;
+- ``ended`` is called once per taken turn: a read frees the blocks in vLLM (forget the lease),
+  anything else releases them now, with the reason (``moved``, ``dropped``, ``trimmed``);
+- ``close`` releases a conversation the client closed (``DELETE /v1/conversations/{id}``).
+
+Release calls on the request path run in the background: a slow decode node never delays an
+answer. A decode node without a ``lease`` endpoint is left to vLLM's TTL, as before.
+
+Threading model: one asyncio loop (the router's); ``LeaseKeeper`` serializes calls per node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from kvtier.router.config import RouterConfig
+from kvtier.router.leases import LeaseKeeper
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.store import RetainedKV
+
+from kvtier.cost.hold import HoldChoice, HoldPolicy
+from kvtier.ids import PodId
+from kvtier.transfer_params import NixlParams
+from kvtier.wire.leases import PARAM_KEY, LeaseRequest, Op, ReleaseReason
+
+log = logging.getLogger("kvtier.router.retention")
+
+_MAX_TRACKED = 100_000  # lost leases and last-turn times remembered (oldest forgotten)
+
+
+class Retention:
+    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics) -> None:
+        self.cfg, self.metrics = cfg, metrics
+        endpoints = {i.name: i.lease for i in cfg.decode_instances if i.lease}
+        self.keeper = LeaseKeeper(endpoints, cfg.decode_lease_s, on_lost=self._lost,
+                                  on_result=self._result, on_release=self._released)
+        self.policy: HoldPolicy | None = None
+        if cfg.retention == "adaptive" and endpoints:
+            assert cfg.cost_model is not None  # the config validates this
+            self.policy = HoldPolicy(cfg.cost_model, host_copy=cfg.host_copy,
+                                     default_hold_s=cfg.entry_ttl_s)
+        # (pod, engine request id) of leases a renewal found gone.
+        self._gone: OrderedDict[tuple[PodId, str], None] = OrderedDict()
+        # (tenant, conversation) -> (monotonic end of its last turn, tokens it left)
+        self._last: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+        self._bg: set[asyncio.Task[Any]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keeper.endpoints)
+
+    def has(self, pod: PodId) -> bool:
+        return self.keeper.has(pod)
+
+    async def start(self) -> None:
+        await self.keeper.start()
+
+    async def stop(self, release_all: bool) -> None:
+        """Stop renewing. ``release_all`` (a store that dies with this process): free every
+        turn held now, since no router will ever offer them again."""
+        if release_all:
+            for pod in list(self.keeper.endpoints):
+                ids = self.keeper.tracked(pod)
+                if ids:
+                    await self.keeper.release(pod, ids, ReleaseReason.DROPPED)
+        for t in list(self._bg):
+            t.cancel()
+        await self.keeper.stop()
+
+    # ---- decode leg ------------------------------------------------------------
+    def leg_params(self, pod: PodId, params: dict[str, Any]) -> dict[str, Any]:
+        """The decode leg's params, asking the node for the router's lease."""
+        if not self.has(pod):
+            return params
+        return {**params, PARAM_KEY: self.cfg.decode_lease_s}
+
+    # ---- a turn was kept ---------------------------------------------------------
+    def retained(self, entry: RetainedKV) -> dict[str, Any]:
+        """Start holding ``entry``'s blocks; the log fields of the choice."""
+        pod, rid = entry.decode_pod, entry.params.remote_request_id
+        key = (entry.tenant, str(entry.conversation))
+        self._remember(self._last, key, (time.monotonic(), len(entry.covered)))
+        if rid is None or not self.has(pod):
+            return {}
+        choice = self._choose(str(entry.conversation))
+        hold = min(choice.hold_s, self.cfg.entry_ttl_s)
+        self.metrics.hold_choices.labels(choice.basis, "hold" if hold > 0 else "release").inc()
+        self.metrics.hold_seconds.observe(hold)
+        fields = {"hold_s": round(hold, 1), "hold_basis": choice.basis,
+                  "hold_samples": choice.samples}
+        if self.policy is not None:
+            log.info("hold", extra={"conversation_id": str(entry.conversation), "pod": pod,
+                                    **fields, "why": choice.explanation})
+        if hold <= 0:
+            self._release_soon(pod, [rid], ReleaseReason.MOVED)
+            return fields
+        self.keeper.track(pod, rid, hold)
+        return fields
+
+    def _choose(self, conversation: str) -> HoldChoice:
+        if self.policy is None:
+            return HoldChoice(self.cfg.entry_ttl_s, "renew", 0, 0.0,
+                              "retention: renew: hold while the store keeps the turn")
+        return self.policy.choose(conversation)
+
+    # ---- a turn was taken ------------------------------------------------------------
+    def arrived(self, tenant: str, conversation: str) -> None:
+        """A conversation's next turn arrived: its wait feeds the adaptive policy."""
+        last = self._last.pop((tenant, conversation), None)
+        if last is not None and self.policy is not None:
+            self.policy.observe(conversation, time.monotonic() - last[0], last[1])
+
+    def gone(self, entry: RetainedKV) -> bool:
+        """The lease of ``entry`` is known to be gone (released or expired)."""
+        rid = entry.params.remote_request_id
+        return rid is not None and (entry.decode_pod, rid) in self._gone
+
+    async def confirm(self, entry: RetainedKV, params: NixlParams) -> NixlParams | None:
+        """``params`` with the lease's fresh deadline, after renewing it; None when the lease
+        is gone. A node that does not answer leaves ``params`` as they are (the prefill
+        still checks their deadline)."""
+        pod, rid = entry.decode_pod, entry.params.remote_request_id
+        if rid is None or not self.has(pod):
+            return params
+        if (pod, rid) in self._gone:
+            return None
+        reply = await self.keeper.call(pod, LeaseRequest(Op.RENEW, (rid,),
+                                                         self.cfg.decode_lease_s))
+        if reply is None or not reply.ok:
+            return params
+        state = reply.leases.get(rid)
+        if state is None or not state.held:
+            self._remember(self._gone, (pod, rid), None)
+            return None
+        return params.model_copy(update={"remote_blocks_expiry_time": state.deadline})
+
+    def ended(self, entry: RetainedKV, read: bool, reason: ReleaseReason) -> None:
+        """The taken ``entry``'s turn is over: ``read`` (vLLM frees the blocks after the
+        prefill's read) or released now for ``reason``."""
+        pod, rid = entry.decode_pod, entry.params.remote_request_id
+        if rid is None or not self.has(pod):
+            return
+        if read:
+            self.keeper.forget(pod, rid)
+            return
+        self._release_soon(pod, [rid], reason)
+
+    async def close(self, entry: RetainedKV) -> bool:
+        """The client closed the conversation: release its turn now (awaited). True when a
+        lease was released."""
+        rid = entry.params.remote_request_id
+        self._last.pop((entry.tenant, str(entry.conversation)), None)
+        if rid is None or not self.has(entry.decode_pod):
+            return False
+        await self.keeper.release(entry.decode_pod, [rid], ReleaseReason.CLOSED)
+        return True
+
+    def pod_down(self, pod: PodId) -> None:
+        """``pod`` is gone, and its leases with it: stop renewing them."""
+        for rid in self.keeper.tracked(pod):
+            self.keeper.forget(pod, rid)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _release_soon(self, pod: PodId, ids: list[str], reason: ReleaseReason) -> None:
+        t = asyncio.get_running_loop().create_task(self.keeper.release(pod, ids, reason))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    def _released(self, reason: ReleaseReason, n: int) -> None:
+        self.metrics.lease_releases.labels(reason.value).inc(n)
+
+    def _lost(self, pod: PodId, rid: str) -> None:
+        self._remember(self._gone, (pod, rid), None)
+        self.metrics.lease_lost.inc()
+
+    def _result(self, op: str, result: str) -> None:
+        self.metrics.lease_calls.labels(op, result).inc()
+
+    @staticmethod
+    def _remember(d: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+        d[key] = value
+        d.move_to_end(key)
+        while len(d) > _MAX_TRACKED:
+            d.popitem(last=False)

@@ -1,0 +1,176 @@
+"""The router's decode leases (router/retention.py) against a real lease server.
+
+The decode node is ``FakeEngines`` for HTTP and a real ``LeaseServer`` over an in-process
+``LeaseTable`` for leases; a test grants the turn's lease in the table as the decode node's
+connector would when the turn finishes (the fake answers every decode leg with the engine
+request id ``D-req``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from kvtier.router.app import create_app
+from kvtier.router.config import RouterConfig
+from kvtier.router.flow import Router
+
+from kvtier.cost.config import resolve_config_path
+from kvtier.leases import LeaseServer, LeaseTable
+from kvtier.wire.leases import PARAM_KEY
+from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
+
+PROMPT = list(range(1, 11))
+RID = "D-req"
+
+
+@pytest.fixture()
+def node() -> Iterator[tuple[LeaseTable, LeaseServer]]:
+    table = LeaseTable(30.0)
+    server = LeaseServer(table, "tcp://127.0.0.1:*")
+    yield table, server
+    server.close()
+
+
+def make(endpoint: str, **cfg: Any) -> Iterator[tuple[TestClient, FakeEngines, Router]]:
+    fake = FakeEngines()
+    config = RouterConfig.model_validate({
+        "prefill": [P_URL], "decode": [{"name": "decode-0", "url": D_URL, "lease": endpoint}],
+        "log_json": False, "block_size": BLOCK_SIZE, "decode_lease_s": 20.0, **cfg})
+    with TestClient(create_app(config, transport=fake, health_checks=False)) as c:
+        yield c, fake, c.app.state.router  # type: ignore[attr-defined]
+
+
+def complete(c: TestClient, prompt: list[int], conv: str = "x",
+             headers: dict[str, str] | None = None) -> Any:
+    return c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3,
+                                           "conversation_id": conv}, headers=headers or {})
+
+
+def grant(table: LeaseTable, lease_s: float = 1.0) -> None:
+    """What the decode connector does when the turn finishes."""
+    table.grant(RID, 3, ttl_deadline=table.clock() + 480, lease_s=lease_s)
+
+
+def until(cond: Callable[[], bool], within_s: float = 5.0) -> bool:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_decode_leg_asks_for_the_routers_lease(node) -> None:
+    _, server = node
+    for c, fake, _ in make(server.endpoint):
+        complete(c, PROMPT)
+        dec = [x for x in fake.completions(D_URL)][-1]
+        assert dec.kvp[PARAM_KEY] == 20.0
+
+
+def test_a_taken_turn_is_renewed_and_offered_with_its_fresh_deadline(node) -> None:
+    table, server = node
+    for c, fake, router in make(server.endpoint):
+        complete(c, PROMPT)
+        assert router.retention.keeper.tracked("decode-0") == [RID]
+        grant(table, lease_s=1.0)  # a short first lease: the router's renewal extends it
+        r = complete(c, [*PROMPT, *GEN, 7])
+        assert r.headers["x-kvtier-reuse"].startswith("dp_read;")
+        offered = fake.prefills()[-1].kvp
+        assert offered["remote_engine_id"] == "D"
+        # renewed to the router's 20 s lease, and that deadline is what the prefill checks
+        assert offered["remote_blocks_expiry_time"] > table.clock() + 15
+        assert table.snapshot()["renewed"] >= 1
+        # read: no longer renewed, and not released (vLLM frees it after the read)
+        assert router.retention.keeper.tracked("decode-0") == []
+    assert sum(table.released.values()) == 0
+
+
+def test_close_releases_now_and_only_for_its_tenant(node) -> None:
+    table, server = node
+    for c, _, _ in make(server.endpoint, api_keys=["ka", "kb"]):
+        complete(c, PROMPT, headers={"authorization": "Bearer ka"})
+        grant(table, lease_s=30.0)
+        r = c.delete("/v1/conversations/x", headers={"authorization": "Bearer kb"})
+        assert r.status_code == 404 and table.released["closed"] == 0
+        assert c.delete("/v1/conversations/x").status_code == 401
+        r = c.delete("/v1/conversations/x", headers={"authorization": "Bearer ka"})
+        assert r.status_code == 200 and r.json() == {"id": "x", "object": "conversation.deleted",
+                                                     "deleted": True}
+        assert table.released["closed"] == 1 and table.snapshot()["leases_held"] == 1
+        assert table.renew([RID])[RID].held is False  # the node frees it at its next step
+        r = c.delete("/v1/conversations/x", headers={"authorization": "Bearer ka"})
+        assert r.status_code == 404
+        m = c.get("/metrics").text
+        assert 'kvtier_router_lease_releases_total{reason="closed"} 1.0' in m
+
+
+def test_an_unproven_next_turn_releases_the_old_one(node) -> None:
+    table, server = node
+    for c, fake, _ in make(server.endpoint):
+        complete(c, PROMPT)
+        grant(table, lease_s=30.0)
+        r = complete(c, [99, 98, 97, 96, 95, 94, 93, 92])  # does not continue it
+        assert r.headers["x-kvtier-outcome"] == "stale"
+        assert "remote_engine_id" not in fake.prefills()[-1].kvp
+        assert until(lambda: table.released["dropped"] == 1)
+
+
+def test_a_lost_lease_is_not_offered(node) -> None:
+    table, server = node
+    for c, fake, _ in make(server.endpoint):
+        complete(c, PROMPT)
+        # never granted (the node restarted, or the lease ran out): the confirm finds it gone
+        r = complete(c, [*PROMPT, *GEN, 7])
+        assert r.headers["x-kvtier-outcome"] == "expired"
+        assert r.headers["x-kvtier-reuse"] == "none; tokens=0"
+        assert "remote_engine_id" not in fake.prefills()[-1].kvp
+        assert 'reason="released"' in c.get("/metrics").text
+
+
+def test_a_memory_store_router_releases_what_it_holds_on_shutdown(node) -> None:
+    table, server = node
+    for c, _, _ in make(server.endpoint):
+        complete(c, PROMPT)
+        grant(table, lease_s=30.0)
+    assert table.released["dropped"] == 1
+
+
+def test_adaptive_releases_a_conversation_whose_waits_are_long(node) -> None:
+    table, server = node
+    cost = str(resolve_config_path("cost-tiny.json"))
+    # no host tier: a released turn is recomputed, so short waits are worth holding
+    for c, _, router in make(server.endpoint, retention="adaptive", cost_model=cost,
+                             host_copy=False):
+        policy = router.retention.policy
+        assert policy is not None
+        for _ in range(5):  # this conversation's tools answer after ten minutes
+            policy.observe("slow", 600.0, 2000)
+        for _ in range(5):  # this one's after a second
+            policy.observe("fast", 1.0, 2000)
+        complete(c, PROMPT, conv="fast")
+        assert router.retention.keeper.tracked("decode-0") == [RID]
+        grant(table, lease_s=30.0)
+        c.delete("/v1/conversations/fast")
+        table.grant("D-req", 3, ttl_deadline=table.clock() + 480, lease_s=30.0)
+        complete(c, PROMPT, conv="slow")
+        assert router.retention.keeper.tracked("decode-0") == []
+        assert until(lambda: table.released["moved"] == 1)
+        m = c.get("/metrics").text
+        assert 'kvtier_router_hold_choices_total{action="release",basis="conversation"} 1.0' in m
+        assert 'kvtier_router_hold_choices_total{action="hold",basis="conversation"} 1.0' in m
+
+
+def test_adaptive_needs_a_cost_model_with_a_dp_read_link() -> None:
+    with pytest.raises(ValueError, match="retention: adaptive needs a cost_model"):
+        RouterConfig.model_validate({"decode": [D_URL], "retention": "adaptive"})
+
+
+def test_a_lease_endpoint_must_be_zmq() -> None:
+    with pytest.raises(ValueError, match="ZMQ endpoint"):
+        RouterConfig.model_validate({"decode": [{"name": "d", "url": D_URL,
+                                                 "lease": "http://d:1"}]})
