@@ -11,7 +11,8 @@ long as somebody renews their lease. ``Retention`` is the flow's one handle on t
   cost model and the waits observed so far (0 s: released at once, the host copy or a
   recompute serves the next turn). The choice and its inputs go to the log and the metrics;
 - ``confirm`` renews a taken turn's lease right before its params are offered to a prefill
-  (one round trip) and patches the fresh deadline into ``remote_blocks_expiry_time``, so a
+  (one round trip; for at least ``READ_WINDOW_S``: a prefill declines a read within 5 s of
+  the deadline) and patches the fresh deadline into ``remote_blocks_expiry_time``, so a
   turn held longer than its first lease is still read; a lease found gone refuses the reuse
   (``released``) instead of offering a read the prefill would decline;
 - ``ended`` is called once per taken turn: a read frees the blocks in vLLM (forget the lease),
@@ -45,6 +46,10 @@ from kvtier.wire.leases import PARAM_KEY, LeaseRequest, Op, ReleaseReason
 log = logging.getLogger("kvtier.router.retention")
 
 _MAX_TRACKED = 100_000  # lost leases and last-turn times remembered (oldest forgotten)
+# A prefill declines a D->P read whose deadline is within 5 s (vLLM's
+# _KV_BLOCKS_EXPIRY_SAFETY_MARGIN); the renewal before an offer covers that margin plus the
+# time the prefill may take to reach the read (queueing), whatever the lease.
+READ_WINDOW_S = 15.0
 
 
 class Retention:
@@ -143,8 +148,8 @@ class Retention:
             return params
         if (pod, rid) in self._gone:
             return None
-        reply = await self.keeper.call(pod, LeaseRequest(Op.RENEW, (rid,),
-                                                         self.cfg.decode_lease_s))
+        lease_s = max(self.cfg.decode_lease_s, READ_WINDOW_S)
+        reply = await self.keeper.call(pod, LeaseRequest(Op.RENEW, (rid,), lease_s))
         if reply is None or not reply.ok:
             return params
         state = reply.leases.get(rid)
