@@ -308,7 +308,12 @@ class Router(DecodeLeg):
         if refusal is not None:
             info["refusal"] = refusal
         model_ns = self.cfg.indexer_model or inb.model
-        matched = await self.legs.lookup(model_ns, ids) if ids is not None else None
+        if ids is None and self.legs.indexer is not None:
+            # KV-aware choice and peer sources need the prompt's ids: tokenize once.
+            ids = await self._tokenize(inb, headers)
+        route = (await self.legs.route(model_ns, ids, self.pool.loads())
+                 if ids is not None else None)
+        matched = route.matched if route is not None else None
         reuse = decision.params
         run = Attempts(self.retry.prefill)
         pre: dict[str, Any] | None = None
@@ -317,8 +322,8 @@ class Router(DecodeLeg):
             p_inst = self.pool.choose(self.pool.prefill, matched, exclude=run.tried)
             if p_inst is None:
                 break
-            source = (await self.legs.source(model_ns, ids, p_inst.name)
-                      if ids is not None else None)
+            source = (route.source_for(p_inst.name, self.cfg.min_cached_token_delta, model_ns,
+                                       self.cfg.block_size) if route is not None else None)
             offered = reuse is not None
             path, tokens, reuse, source = _plan(reuse, decision, source, matched, p_inst.name,
                                                 len(ids) if ids is not None else 0,

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 from kvtier.router.config import RouterConfig
-from kvtier.router.indexer_client import IndexerClient
+from kvtier.router.indexer_client import IndexerClient, Route
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import InstancePool, InstanceState
 from kvtier.router.retry import Failure
@@ -232,6 +232,18 @@ class Legs:
         if matched is None:
             self.metrics.indexer_unavailable.labels("lookup").inc()
         return matched
+
+    async def route(self, model: str, ids: Sequence[int],
+                    loads: dict[str, int] | None = None) -> Route | None:
+        """Cached prefix per pod and the best peer source, from one indexer call; None
+        without an indexer or when it is unavailable."""
+        if self.indexer is None:
+            return None
+        found = await self.indexer.route(model, ids, self.cfg.min_cached_token_delta, loads)
+        self.indexer_ok = found is not None
+        if found is None:
+            self.metrics.indexer_unavailable.labels("route").inc()
+        return found
 
     async def source(self, model: str, ids: Sequence[int],
                      target: PodId) -> RemoteKVSource | None:

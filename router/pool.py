@@ -83,6 +83,10 @@ class InstancePool:
         # advanced by every choice would pair each request's prefill with the same parity.
         self._rr: dict[tuple[PodId, ...], itertools.count[int]] = {}
 
+    def loads(self) -> dict[str, int]:
+        """Requests in flight per prefill instance (the indexer's tie-break among sources)."""
+        return {i.name: i.in_flight for i in self.prefill}
+
     def all(self) -> list[InstanceState]:
         return list(self.by_name.values())
 

@@ -3,7 +3,8 @@
 ``FakeEngines`` answers what the router sends to a 1P1D-style bidirectional NIXL stack:
 prefill legs (``max_tokens=1``, ``do_remote_decode``) return P's block params, decode legs
 return the generated ids and D's retained-KV params, ``/tokenize`` tokenizes characters, and
-``/v1/lookup`` / ``/v1/source`` answer as the indexer was told to. Every engine call is kept
+``/v1/route`` (or, with ``route=False``, only ``/v1/lookup`` / ``/v1/source``) answer as the
+indexer was told to (calls kept in ``indexer_calls``). Every engine call is kept
 in ``calls`` (with its headers); ``fail(url, ...)`` queues faults for the next completion calls
 to one engine: ``"connect"``, ``"timeout"``, an HTTP status, or, for what a broken engine
 sends with a 200: ``"garbage"`` (not JSON / not SSE), ``"error_event"`` (a stream whose first
@@ -61,6 +62,8 @@ class FakeEngines(httpx.AsyncBaseTransport):
     faults: dict[str, list[Fault]] = field(default_factory=dict)
     lookup: list[dict[str, Any]] = field(default_factory=list)  # indexer "matches"
     source: dict[str, Any] | None = None  # indexer "source"
+    route: bool = True  # the indexer answers /v1/route (False: one from before it, 404)
+    indexer_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     feed: Callable[[str, FinishedParams], None] | None = None  # (engine url, message)
     stream_params: bool = False
 
@@ -81,6 +84,16 @@ class FakeEngines(httpx.AsyncBaseTransport):
         body: dict[str, Any] = json.loads(raw) if raw else {}
         if path == "/health":
             return httpx.Response(200)
+        if path.startswith("/v1/") and request.url.host == "idx.test":
+            self.indexer_calls.append((path, body))
+        if path == "/v1/route":
+            if not self.route:
+                return httpx.Response(404, json={"error": "not found"})
+            src = {"tier": "CPU", **self.source} if self.source else None
+            return httpx.Response(200, json={
+                "block_size": BLOCK_SIZE, "source": src,
+                "matches": [{"tier": "GPU", **m} for m in self.lookup],
+                "target_matched_tokens": 0, "delta": src["matched_tokens"] if src else 0})
         if path == "/v1/lookup":
             return httpx.Response(200, json={"block_size": BLOCK_SIZE, "matches": self.lookup})
         if path == "/v1/source":

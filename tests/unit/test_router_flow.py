@@ -117,6 +117,56 @@ def test_indexer_paths_local_and_p2p() -> None:
         assert (s.reuse_count(ReusePath.LOCAL), s.reuse_count(ReusePath.P2P)) == (1, 1)
 
 
+def test_one_indexer_call_per_request_even_when_the_prefill_is_retried() -> None:
+    src = {"pod": "prefill-1", "matched_tokens": 8, "p2p_host": "10.0.0.2", "p2p_port": 7000}
+    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 4}], source=src)
+    fake.fail(P_URL, "connect")  # prefill-0 is gone: the leg is retried on prefill-1
+    for s in make(fake, indexer=IDX_URL, prefill=[P_URL, P2_URL], implicit_sessions=False):
+        r = s.complete(PROMPT, conv=None)
+        assert r.status_code == 200
+        assert [p for p, _ in fake.indexer_calls] == ["/v1/route"]
+        # prefill-1 holds the source itself: it is not told to pull from itself
+        assert fake.prefills()[-1].url == P2_URL
+        assert "remote_kv_source" not in fake.prefills()[-1].kvp
+
+
+def test_a_source_is_offered_only_when_it_gains_over_the_target() -> None:
+    src = {"pod": "prefill-1", "matched_tokens": 8, "p2p_host": "10.0.0.2", "p2p_port": 7000}
+    # the target already holds 8 on some tier: the peer adds nothing
+    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 8}], source=src)
+    for s in make(fake, indexer=IDX_URL, implicit_sessions=False):
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("local; tokens=8", "none")
+    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 4}], source=src)
+    for s in make(fake, indexer=IDX_URL, implicit_sessions=False, min_cached_token_delta=8):
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("local; tokens=4", "none")
+
+
+def test_a_chat_request_is_tokenized_once_and_routed_by_the_indexer() -> None:
+    src = {"pod": "prefill-1", "matched_tokens": 8, "p2p_host": "10.0.0.2", "p2p_port": 7000}
+    fake = FakeEngines(source=src)
+    for s in make(fake, indexer=IDX_URL, implicit_sessions=False):
+        msgs = [{"role": "user", "content": "hello there, a chat turn"}]
+        r = s.client.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs})
+        assert r.status_code == 200 and r.headers["x-kvtier-reuse"] == "p2p; tokens=8"
+        assert [c.path for c in fake.calls if c.path == "/tokenize"] == ["/tokenize"]
+        assert [p for p, _ in fake.indexer_calls] == ["/v1/route"]
+        sent = fake.indexer_calls[0][1]
+        assert sent["token_ids"] == [ord(ch) for ch in msgs[0]["content"]]
+        assert "remote_kv_source" in fake.prefills()[-1].kvp
+
+
+def test_an_indexer_without_route_is_asked_lookup_and_source() -> None:
+    src = {"pod": "prefill-1", "matched_tokens": 8, "p2p_host": "10.0.0.2", "p2p_port": 7000}
+    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 4}], source=src,
+                       route=False)
+    for s in make(fake, indexer=IDX_URL, implicit_sessions=False):
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("p2p; tokens=8", "none")
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("p2p; tokens=8", "none")
+        # the 404 is learnt once
+        assert [p for p, _ in fake.indexer_calls] == [
+            "/v1/route", "/v1/lookup", "/v1/source", "/v1/lookup", "/v1/source"]
+
+
 def _cost(p2p_setup_s: float) -> dict[str, Any]:
     return {"kv_bytes_per_token": 2048, "prefill_b_s_per_token": 1e-3,
             "reads": {"dp_read": {"setup_s": 0.0, "bytes_per_s": 1e12},
