@@ -4,6 +4,8 @@
 run it in-process); ``kvtier router`` serves it with uvicorn. Routes:
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``DELETE /v1/conversations/{id}`` (forget a conversation, release its decode blocks),
+``POST /v1/responses`` and ``GET /v1/responses/{id}`` (passed through to one instance with
+response-id affinity: ``responses.py``),
 ``GET /healthz``, ``GET /metrics``.
 
 Completions answers carry the router's reuse decision (``legs.ReuseReport``) as
@@ -55,6 +57,7 @@ from kvtier.router.requests import (
     forward_headers,
     parse_inbound,
 )
+from kvtier.router.responses import add_routes as add_responses_routes
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
@@ -198,6 +201,8 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
 
     app.router.routes.append(Route("/v1/conversations/{conversation_id:path}",
                                    close_conversation, methods=["DELETE"]))
+
+    add_responses_routes(app, router, authorize, error, _read_body)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -82,10 +82,13 @@ def stack_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackPool]:
 E2E_MODULE_ORDER = (
     "test_foundation_pd",         # 1P1D nixl-bidirectional
     "test_indexer_e2e",           # 1P1D nixl-bidirectional
+    "test_router_responses",      # 1P1D nixl-bidirectional
     "test_router_pd",             # 1P1D nixl-bidirectional (kills instances last)
     "test_foundation_negative",   # 1P1D nixl-unidirectional
     "test_connector_tier",        # 2 instances kvtier-peer
     "test_multi_connector",       # 1P1D multi-nixl-kvtier
+    "test_decode_leases",         # 1P1D nixl-bidirectional-lease
+    "test_router_leases",         # 1P1D nixl-bidirectional-lease
 )
 
 

@@ -100,6 +100,8 @@ class FakeEngines(httpx.AsyncBaseTransport):
             return httpx.Response(200, json={"source": self.source})
         self.calls.append(Call(url, path, body, {k.lower(): v for k, v in request.headers.items()},
                                raw))
+        if path.startswith("/v1/responses"):
+            return _responses(url, path, body, len(self.calls))
         if path == "/tokenize":
             return httpx.Response(200, json={"tokens": _chat_ids(body)})
         queued = self.faults.get(url)
@@ -118,6 +120,31 @@ class FakeEngines(httpx.AsyncBaseTransport):
             rid = f"cmpl-{request.headers.get('x-request-id', '')}-0-1a2b3c4d"
             self.feed(url, FinishedParams(rid, _d_params(url, prompt), (*prompt, *GEN)))
         return resp
+
+
+def _responses(url: str, path: str, body: dict[str, Any], n: int) -> httpx.Response:
+    """vLLM's Responses API, enough for the router: ids name the engine that stored them."""
+    host = url.split("//")[1].split(".")[0]
+    if path != "/v1/responses":  # GET /v1/responses/{id}
+        rid = path.rsplit("/", 1)[1]
+        if not rid.startswith(f"resp_{host}_"):
+            return httpx.Response(404, json={"error": {"message": "not found"}})
+        return httpx.Response(200, json={"id": rid, "object": "response", "output": []})
+    resp = {"id": f"resp_{host}_{n}", "object": "response", "status": "completed",
+            "previous_response_id": body.get("previous_response_id"),
+            "output": [{"type": "message", "content": [{"type": "output_text",
+                                                        "text": "abc"}]}],
+            "kv_transfer_params": {"remote_host": "10.9.9.9"}}
+    if not body.get("stream"):
+        return httpx.Response(200, json=resp)
+    events = [(b"response.created", {"type": "response.created", "response": resp}),
+              *((b"response.output_text.delta", {"type": "response.output_text.delta",
+                                                 "delta": ch}) for ch in "abc"),
+              (b"response.completed", {"type": "response.completed", "response": resp})]
+    return httpx.Response(200, stream=_Events([b"event: " + k + b"\ndata: "
+                                               + json.dumps(v).encode() + b"\n\n"
+                                               for k, v in events]),
+                          headers={"content-type": "text/event-stream"})
 
 
 def _d_params(url: str, prompt: list[int]) -> dict[str, Any]:

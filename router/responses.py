@@ -1,0 +1,213 @@
+"""OpenAI's Responses API through the router: passed through to one instance, not P/D.
+
+vLLM 0.32 serves ``POST /v1/responses`` (and accepts ``kv_transfer_params`` there), but a
+Responses conversation lives in the engine that answered it: ``previous_response_id`` names
+a response stored in that process, and its answers carry no token ids for the router to
+prove the next prompt against. So the router serves it as it serves direct mode: the whole
+request on one instance (decode nodes first), with:
+
+- **affinity**: a response's id is remembered with its tenant and instance (bounded, oldest
+  forgotten), so ``previous_response_id`` and ``GET /v1/responses/{id}`` go where the
+  response is stored; another tenant's id is a 404, as an unknown one;
+- the same allow-list of headers as every leg (``requests.forward_headers``), client
+  ``kv_transfer_params`` refused and engine ``kv_transfer_params`` taken out of answers,
+  streamed or not;
+- streams relayed as they come (Responses events are named SSE events and end without
+  ``[DONE]``); a client that leaves closes the engine's stream (vLLM aborts).
+
+The reuse a Responses turn gets is the engine's own prefix cache (and its host tier, when
+the instance runs kvtier's connector); no D->P read.
+
+Threading model: the router's event loop; the affinity map is only touched there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kvtier.router.flow import Router
+from kvtier.router.pool import InstanceState
+from kvtier.router.requests import forward_headers
+from starlette.routing import Route
+
+log = logging.getLogger("kvtier.router")
+
+MAX_REMEMBERED = 100_000
+_ID_MAX = 256
+
+
+class Affinity:
+    """Response id -> (tenant, instance name), bounded."""
+
+    def __init__(self, limit: int = MAX_REMEMBERED) -> None:
+        self._m: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self.limit = limit
+
+    def put(self, rid: str, tenant: str, inst: str) -> None:
+        self._m[rid] = (tenant, inst)
+        self._m.move_to_end(rid)
+        while len(self._m) > self.limit:
+            self._m.popitem(last=False)
+
+    def get(self, rid: str, tenant: str) -> str | None:
+        v = self._m.get(rid)
+        return v[1] if v is not None and v[0] == tenant else None
+
+
+def strip_transfer_params(obj: Any) -> Any:
+    """``obj`` without any ``kv_transfer_params`` key, at any depth."""
+    if isinstance(obj, dict):
+        return {k: strip_transfer_params(v) for k, v in obj.items() if k != "kv_transfer_params"}
+    if isinstance(obj, list):
+        return [strip_transfer_params(v) for v in obj]
+    return obj
+
+
+def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str | None],
+               error: Callable[..., JSONResponse], read_body: Callable[..., Any]) -> None:
+    cfg = router.cfg
+    affinity = Affinity()
+    app.state.responses_affinity = affinity
+
+    def choose(pinned: str | None) -> InstanceState | None:
+        if pinned is not None:
+            inst = router.pool.by_name.get(pinned)  # type: ignore[arg-type]
+            if inst is not None and inst.healthy:
+                return inst
+        pool = router.pool
+        return (pool.choose([d for d in pool.decode if d.healthy])
+                or pool.choose(pool.decode + pool.prefill))
+
+    async def create(request: Request) -> Response:
+        tenant = authorize(request)
+        if tenant is None:
+            return error(401, "missing or invalid bearer token", "authentication_error")
+        try:
+            body = json.loads(await read_body(request, cfg.max_body_bytes))
+        except ValueError:
+            return error(400, "request body is not valid JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return error(400, "a Responses request needs a JSON object with 'model'")
+        if "kv_transfer_params" in body:
+            return error(400, "kv_transfer_params is set by the router, not by clients")
+        prev = body.get("previous_response_id")
+        if prev is not None and not (isinstance(prev, str) and 0 < len(prev) <= _ID_MAX):
+            return error(400, "invalid previous_response_id")
+        pinned = affinity.get(prev, tenant) if prev else None
+        if prev and pinned is None:
+            return error(404, f"no response {prev!r}", "not_found_error")
+        inst = choose(pinned)
+        if inst is None:
+            return error(503, "no healthy engine", "upstream_error")
+        rid = uuid.uuid4().hex[:24]
+        headers = forward_headers({k.lower(): v for k, v in request.headers.items()}, rid,
+                                  cfg.engine_api_key)
+        url = inst.url + "/v1/responses"
+        if body.get("stream"):
+            return await _stream(url, body, headers, inst, tenant, rid)
+        try:
+            r = await router.client.post(url, json=body, headers=headers,
+                                         timeout=cfg.timeouts.decode_idle_s)
+        except httpx.HTTPError as e:
+            return error(502, f"no engine could serve the request: {type(e).__name__}",
+                         "upstream_error")
+        try:
+            out = strip_transfer_params(r.json())
+        except ValueError:
+            return error(502, "upstream answered garbage", "upstream_error")
+        if r.status_code == 200 and isinstance(out, dict) and isinstance(out.get("id"), str):
+            affinity.put(out["id"], tenant, inst.name)
+        log.info("served", extra={"request_id": rid, "endpoint": "responses",
+                                  "decode": inst.name, "direct": "responses"})
+        return JSONResponse(out, status_code=r.status_code,
+                            headers={"x-request-id": rid, "x-kvtier-reuse": "none; tokens=0"})
+
+    async def _stream(url: str, body: dict[str, Any], headers: dict[str, str],
+                      inst: InstanceState, tenant: str, rid: str) -> Response:
+        req = router.client.build_request("POST", url, json=body, headers=headers,
+                                          timeout=httpx.Timeout(cfg.timeouts.decode_idle_s))
+        try:
+            resp = await router.client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            return error(502, f"no engine could serve the request: {type(e).__name__}",
+                         "upstream_error")
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            await resp.aclose()
+            try:
+                return JSONResponse(strip_transfer_params(json.loads(raw)),
+                                    status_code=resp.status_code)
+            except ValueError:
+                return error(502, "upstream answered garbage", "upstream_error")
+
+        async def relay() -> AsyncIterator[bytes]:
+            buf = b""
+            try:
+                async for chunk in resp.aiter_bytes():
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        yield _clean_event(event, lambda i: affinity.put(i, tenant, inst.name))
+                if buf.strip():
+                    yield _clean_event(buf, lambda i: affinity.put(i, tenant, inst.name))
+            except httpx.HTTPError:
+                yield b'event: error\ndata: {"type":"error","message":"upstream stream broke"}\n\n'
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(relay(), media_type="text/event-stream",
+                                 headers={"x-request-id": rid, "cache-control": "no-cache",
+                                          "x-kvtier-reuse": "none; tokens=0"})
+
+    async def get(request: Request) -> Response:
+        tenant = authorize(request)
+        if tenant is None:
+            return error(401, "missing or invalid bearer token", "authentication_error")
+        rid = request.path_params["response_id"]
+        pinned = affinity.get(rid, tenant) if len(rid) <= _ID_MAX else None
+        inst = router.pool.by_name.get(pinned) if pinned else None  # type: ignore[arg-type]
+        if inst is None:
+            return error(404, f"no response {rid!r}", "not_found_error")
+        headers = forward_headers({}, uuid.uuid4().hex[:24], cfg.engine_api_key)
+        try:
+            r = await router.client.get(f"{inst.url}/v1/responses/{rid}", headers=headers,
+                                        timeout=cfg.timeouts.health_s)
+            out = strip_transfer_params(r.json())
+        except (httpx.HTTPError, ValueError):
+            return error(502, "the engine holding this response did not answer",
+                         "upstream_error")
+        return JSONResponse(out, status_code=r.status_code)
+
+    app.router.routes.append(Route("/v1/responses", create, methods=["POST"]))
+    app.router.routes.append(Route("/v1/responses/{response_id}", get, methods=["GET"]))
+
+
+def _clean_event(event: bytes, seen_id: Callable[[str], None]) -> bytes:
+    """One SSE event with engine transfer params taken out; reports the response id of a
+    ``response.created`` event."""
+    lines = event.split(b"\n")
+    out = []
+    for line in lines:
+        if line.startswith(b"data:") and (b"kv_transfer_params" in line
+                                          or b"response.created" in line):
+            try:
+                data = json.loads(line[5:])
+            except ValueError:
+                out.append(line)
+                continue
+            if isinstance(data, dict) and data.get("type") == "response.created":
+                resp = data.get("response")
+                if isinstance(resp, dict) and isinstance(resp.get("id"), str):
+                    seen_id(resp["id"])
+            line = b"data: " + json.dumps(strip_transfer_params(data),
+                                          separators=(",", ":")).encode()
+        out.append(line)
+    return b"\n".join(out) + b"\n\n"
