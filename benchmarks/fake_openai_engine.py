@@ -7,7 +7,16 @@ fixed number of tokens, ``/health``, ``/v1/models`` and ``/tokenize``, and
 mimics vLLM's P/D fields: a prefill leg (``do_remote_decode``) gets
 ``kv_transfer_params`` back; ``return_token_ids`` adds token ids.
 
-    python benchmarks/fake_openai_engine.py --port 9100 --tokens 16
+``--token-delay-ms`` spaces the tokens (a real stream: the first content chunk comes one delay
+after the request). ``--params-feed tcp://127.0.0.1:PORT`` makes it a decode node with
+kvtier's params feed (what ``KVTierNixlConnector`` publishes, ``kvtier.wire.params_feed``):
+for every finished decode leg (a request carrying ``kv_transfer_params``), streamed or not,
+it publishes the params it retained and the request's token ids (prompt + generated) under
+a vLLM-shaped engine request id (``chatcmpl-<X-Request-Id>-<8 hex>``), just before the
+stream's ``[DONE]``. Prompt ids: the request's token-id prompt, else ``/tokenize``'s.
+
+    python benchmarks/fake_openai_engine.py --port 9100 --tokens 16 \
+        [--token-delay-ms 2] [--params-feed tcp://127.0.0.1:9190]
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 import asyncio
 import json
 import time
+import uuid
 
 import uvicorn
 from starlette.applications import Starlette
@@ -23,9 +33,38 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+PROMPT_IDS = list(range(40))  # what /tokenize answers for any text
 
-def build(tokens: int, token_delay_s: float, name: str) -> Starlette:
+
+def build(tokens: int, token_delay_s: float, name: str,
+          params_feed: str | None = None) -> Starlette:
     counter = {"n": 0}
+    publish = None
+    if params_feed:
+        import zmq
+
+        from kvtier.wire.params_feed import FinishedParams
+
+        sock = zmq.Context.instance().socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 4096)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(params_feed)
+
+        def publish(request: Request, body: dict, chat: bool, kvp: dict | None,
+                    n: int) -> None:
+            if kvp is None:
+                return
+            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            eid = (f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}" if chat
+                   else f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}")
+            prompt = body.get("prompt")
+            ids = (prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+                   else PROMPT_IDS)
+            msg = FinishedParams(eid, kvp, (*ids, *range(100, 100 + n)))
+            try:
+                sock.send_multipart(msg.frames(), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     def kv(body: dict) -> dict | None:
         p = body.get("kv_transfer_params") or {}
@@ -46,6 +85,8 @@ def build(tokens: int, token_delay_s: float, name: str) -> Starlette:
         created = int(time.time())
         model = body.get("model", "fake")
         if body.get("stream"):
+            kvp = kv(body) if publish is not None else None
+
             async def events():
                 for i in range(n):
                     if token_delay_s:
@@ -59,6 +100,8 @@ def build(tokens: int, token_delay_s: float, name: str) -> Starlette:
                     obj = {"id": rid, "object": "chat.completion.chunk" if chat else
                            "text_completion", "created": created, "model": model, "choices": [ch]}
                     yield ("data: " + json.dumps(obj) + "\n\n").encode()
+                if publish is not None:
+                    publish(request, body, chat, kvp, n)
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         if token_delay_s:
@@ -72,6 +115,8 @@ def build(tokens: int, token_delay_s: float, name: str) -> Starlette:
                "created": created, "model": model, "choices": [ch],
                "usage": {"prompt_tokens": 40, "completion_tokens": n, "total_tokens": 40 + n},
                "kv_transfer_params": kv(body)}
+        if publish is not None and body.get("kv_transfer_params"):
+            publish(request, body, chat, out["kv_transfer_params"], n)
         if body.get("return_token_ids"):
             ch["token_ids"] = list(range(100, 100 + n))
             if chat:
@@ -87,7 +132,7 @@ def build(tokens: int, token_delay_s: float, name: str) -> Starlette:
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def tokenize(_: Request) -> Response:
-        return JSONResponse({"count": 40, "tokens": list(range(40)), "max_model_len": 4096})
+        return JSONResponse({"count": 40, "tokens": PROMPT_IDS, "max_model_len": 4096})
 
     return Starlette(routes=[
         Route("/v1/completions", gen, methods=["POST"]),
@@ -103,8 +148,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
     ap.add_argument("--name", default="fake")
+    ap.add_argument("--params-feed", default=None, metavar="tcp://HOST:PORT",
+                    help="bind kvtier's finished-request params feed here (a decode node)")
     a = ap.parse_args()
-    uvicorn.run(build(a.tokens, a.token_delay_ms / 1e3, a.name), host="127.0.0.1", port=a.port,
+    uvicorn.run(build(a.tokens, a.token_delay_ms / 1e3, a.name, a.params_feed),
+                host="127.0.0.1", port=a.port,
                 log_level="warning", access_log=False)
 
 
