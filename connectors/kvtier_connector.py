@@ -154,6 +154,7 @@ class KVTierConnector(KVConnectorBase_V1):
         from kvtier.wire.peer import Identity
 
         assert self.sched is not None and self.cfg.p2p_port is not None
+        assert self.cfg.p2p_host is not None  # HostTierConfig.resolved: this host's address
         if self.tp_size != 1:
             # The peer protocol moves one pool per engine; with TP every rank has its
             # own (pool_tag), and a handshake that carries the TP layout is not built yet.

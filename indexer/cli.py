@@ -66,9 +66,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier indexer: bad configuration: {e}", file=sys.stderr)
         return 2
     from kvtier.indexer.http import serve
+    from kvtier.indexer.native import HOT_PATH
     from kvtier.indexer.service import IndexerService
 
     log.info("indexer on http://%s:%d, backend %s, %d pod(s), %d stream(s)", cfg.host, cfg.port,
              cfg.backend, len(cfg.pods_by_name()), len(cfg.pods))
+    log.info("indexer hot path: %s", HOT_PATH)
     serve(IndexerService(cfg), cfg.host, cfg.port)
     return 0

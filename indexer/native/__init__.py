@@ -10,6 +10,7 @@ bitmask prefix walk of ``MemoryIndex.lookup``; ``lookup`` only on CPython
 ``NATIVE`` is the module, or None when it was not built; every caller keeps a
 pure-Python path that gives identical answers (tests compare both).
 Set ``KVTIER_INDEXER_NATIVE=0`` to use the pure-Python path anyway.
+``HOT_PATH`` says which path this process uses (``kvtier indexer`` logs it at start).
 
 Threading model: the C functions hold the GIL and keep no state.
 """
@@ -20,8 +21,15 @@ import os
 from types import ModuleType
 
 NATIVE: ModuleType | None = None
-if os.environ.get("KVTIER_INDEXER_NATIVE", "1") != "0":
+HOT_PATH: str
+if os.environ.get("KVTIER_INDEXER_NATIVE", "1") == "0":
+    HOT_PATH = "pure Python (KVTIER_INDEXER_NATIVE=0)"
+else:
     try:
         import _kvtier_indexer_native as NATIVE  # type: ignore[import-not-found, no-redef]
-    except ImportError:
+    except ImportError as e:
         NATIVE = None
+        HOT_PATH = (f"pure Python (C helper not built: {e}; "
+                f"python -m kvtier.indexer.native.build builds it)")
+    else:
+        HOT_PATH = f"C helper {getattr(NATIVE, '__file__', '(built in)')}"

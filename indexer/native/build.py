@@ -52,13 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--if-stale", action="store_true",
                     help="do nothing if the built module is newer than its source")
     args = ap.parse_args(argv)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    old = args.out / f"{NAME}{suffix}"
+    before = old.stat().st_mtime_ns if old.exists() else None
     try:
         path = build(args.out, force=not args.if_stale)
     except RuntimeError as e:
         print(f"kvtier indexer native helper not built ({e}); the pure-Python path is used",
               file=sys.stderr)
         return 1 if args.strict else 0
-    print(f"built {path}")
+    fresh = before is None or path.stat().st_mtime_ns != before
+    print(f"{'built' if fresh else 'up to date:'} {path}")
     return 0
 
 

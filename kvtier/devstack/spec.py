@@ -105,6 +105,9 @@ class InstanceSpec(BaseModel):
             KVTIER_TIER_EVENTS_PORT=str(self.tier_events_port),
             KVTIER_TIER_REPLAY_PORT=str(self.tier_replay_port),
             KVTIER_P2P_PORT=str(self.tier_p2p_port),
+            # One host: the tier's peer server on loopback, as every address here is
+            # (kvtier.tier.config resolves KVTIER_P2P_HOST; other hosts set their own).
+            KVTIER_P2P_HOST="127.0.0.1",
             KVTIER_METRICS_PORT=str(self.tier_metrics_port),
             KVTIER_POD_NAME=self.name,
         )

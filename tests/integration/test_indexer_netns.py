@@ -5,14 +5,20 @@ after).
 Hosts (one namespace each, 10.R.S.0/24 on one bridge in a hub namespace):
 
 - ``pf`` (prefill host): pod ``pf``'s engine stream and host-tier stream (one pod, two
-  streams); later the peer-fetch consumer;
-- ``dc`` (decode host): pod ``dc``'s host-tier stream and its host tier's peer server (NIXL);
+  streams); later the peer-fetch consumer; no default route;
+- ``dc`` (decode host, with a default route): pod ``dc``'s host-tier stream and its host
+  tier's peer server (NIXL), listening on the address its ``HostTierConfig`` resolved with no
+  ``p2p_host`` and no ``KVTIER_P2P_HOST`` (detected: the namespace's own, never loopback);
+  that advertised address is what the indexer's ``p2p=`` names and the fetch reaches;
 - ``ix``: ``kvtier indexer`` (listening on its own address, peers from ``--pod`` specs);
 - ``rt``: the client that asks ``/v1/route`` as the router does.
 
 Shows events, lookups and a peer fetch crossing hosts, and a host that drops off the
 network (link down: no FIN, only ZMTP heartbeats notice) being taken out of the sources and
-coming back. D->P reads need vLLM engines: not covered here (tests/e2e).
+coming back. The peer-address resolution of kvtier.tier.config per host: the default
+route's source address (dc), an interface's address without a default route (pf), and a
+KVTIER_P2P_HOST naming another host's address refused. D->P reads need vLLM engines: not
+covered here (tests/e2e; engines in namespaces cost minutes of start-up per engine on CPU).
 
 Skipped only where ``ip netns add`` is refused (not root, no CAP_SYS_ADMIN); the reason is
 printed.
@@ -74,15 +80,23 @@ elif role in ("peer-source", "peer-fetch"):
     ident = Identity("m", bs, 0, "netns-test", SLOT)
     pattern = lambda i: np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8)
     pool, tier, lock = HostPool(16, SLOT), HostTier(16, SLOT), threading.RLock()
-    if role == "peer-source":
+    if role == "peer-source":                # argv[5]: KVTIER_P2P_PORT
+        import os
+        from kvtier.tier.config import HostTierConfig, resolve_p2p_host
         from kvtier.tier.peer import PeerServer
         job = tier.prepare_store(keys)
         for i, slot in enumerate(job.slots):
             pool.array[slot] = pattern(i)
         tier.complete_store(job.job_id, True)
-        server = PeerServer(tier, lock, NixlPool(pool, "source"), ident, host, int(sys.argv[5]))
+        # as the connector does: the file names no host, the environment no KVTIER_P2P_HOST
+        env = {**os.environ, "KVTIER_P2P_PORT": sys.argv[5]}
+        cfg = HostTierConfig.from_extra_config({"peer_fetch": True}).resolved(env)
+        server = PeerServer(tier, lock, NixlPool(pool, "source"), ident, cfg.p2p_host,
+                            cfg.p2p_port)
         out("ready")
-        sys.stdin.read()
+        for line in sys.stdin:                 # {} -> the advertised address
+            out({"p2p_host": cfg.p2p_host, "p2p_port": cfg.p2p_port,
+                 "how": resolve_p2p_host(None, env)[1]})
         server.close()
     else:
         from kvtier.tier.peer import PeerClient
@@ -95,6 +109,13 @@ elif role in ("peer-source", "peer-fetch"):
                        for i, k in enumerate(keys[:res.blocks]))
             out({"blocks": res.blocks, "fetched": res.fetched, "reason": res.reason,
                  "identical": same})
+elif role == "resolve":                # kvtier.tier.config's peer address here, then exit
+    from kvtier.tier.config import resolve_p2p_host
+    try:
+        addr, how = resolve_p2p_host(None, json.loads(sys.argv[3]))
+        out({"p2p_host": addr, "how": how})
+    except ValueError as e:
+        out({"error": str(e)})
 elif role == "query":                  # argv[3]: base URL
     import httpx
     out("ready")
@@ -147,6 +168,9 @@ class Net:
 
     def ns(self, h: str) -> str:
         return f"{self.tag}-{h}"
+
+    def default_route(self, h: str) -> None:
+        _ip("-n", self.ns(h), "route", "add", "default", "dev", "eth0")
 
     def link(self, h: str, up: bool) -> None:
         _ip("-n", self.ns(h), "link", "set", "eth0", "up" if up else "down")
@@ -218,9 +242,21 @@ def helper(net: Net, host: str, role: str, *args: str, log: Path, **kw: Any) -> 
                 log, **kw)
 
 
-def test_events_lookups_and_peer_fetch_cross_hosts(net, tmp_path):
+def resolve_in(net: Net, host: str, env: dict[str, str]) -> dict[str, Any]:
+    """kvtier.tier.config's peer address as a process in ``host`` resolves it from ``env``."""
+    r = subprocess.run(["ip", "netns", "exec", net.ns(host), sys.executable, "-c", HELPER,
+                        "resolve", net.addr[host], json.dumps(env)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    assert r.returncode == 0 and lines, r.stderr
+    return json.loads(lines[-1])
+
+
+def test_events_lookups_and_peer_fetch_cross_hosts(net, tmp_path, monkeypatch):
     a = net.addr
     procs: list[Proc] = []
+    monkeypatch.delenv("KVTIER_P2P_HOST", raising=False)   # the tiers detect their address
+    net.default_route("dc")
     try:
         pf = helper(net, "pf", "pubs", "eng:5557:5558:kv@pf", "host:5600:5601:kv@pf-host",
                     log=tmp_path / "pf.log")
@@ -234,11 +270,23 @@ def test_events_lookups_and_peer_fetch_cross_hosts(net, tmp_path):
         src = helper(net, "dc", "peer-source", "8", str(BS), "7100", log=tmp_path / "src.log",
                      env={"UCX_TLS": "tcp,self"})
         procs.append(src)
+        # 0. each host's tier advertises the host's own address, detected, never loopback
+        adv = src.ask({})
+        assert (adv["p2p_host"], adv["p2p_port"]) == (a["dc"], 7100), adv
+        assert adv["how"].startswith("detected: the default route"), adv
+        pf_addr = resolve_in(net, "pf", {})
+        assert pf_addr["p2p_host"] == a["pf"], pf_addr
+        assert pf_addr["how"].startswith("detected: a network interface"), pf_addr
+        assert resolve_in(net, "pf", {"KVTIER_P2P_HOST": a["pf"]}) == \
+            {"p2p_host": a["pf"], "how": "KVTIER_P2P_HOST"}
+        err = resolve_in(net, "pf", {"KVTIER_P2P_HOST": a["dc"]})["error"]
+        assert f"KVTIER_P2P_HOST='{a['dc']}'" in err and "not an address of this host" in err
+        dc_p2p = f"{adv['p2p_host']}:{adv['p2p_port']}"      # what dc's deployment registers
         pods = [f"pf=tcp://{a['pf']}:5557,replay=tcp://{a['pf']}:5558,topic=kv@pf",
-                f"pf=tcp://{a['pf']}:5600,replay=tcp://{a['pf']}:5601,p2p={a['pf']}:7100,"
-                "topic=kv@pf-host,stream=host",
-                f"dc=tcp://{a['dc']}:5600,replay=tcp://{a['dc']}:5601,p2p={a['dc']}:7100,"
-                "topic=kv@dc-host"]
+                (f"pf=tcp://{a['pf']}:5600,replay=tcp://{a['pf']}:5601,"
+                 f"p2p={pf_addr['p2p_host']}:7100,topic=kv@pf-host,stream=host"),
+                (f"dc=tcp://{a['dc']}:5600,replay=tcp://{a['dc']}:5601,p2p={dc_p2p},"
+                 "topic=kv@dc-host")]
         cmd = [sys.executable, "-m", "kvtier.cli", "indexer", "--host", a["ix"], "--port", "8300",
                "--model", "m", "--block-size", str(BS), "--stale-after", "1"]
         for p in pods:
@@ -274,7 +322,7 @@ def test_events_lookups_and_peer_fetch_cross_hosts(net, tmp_path):
         assert pf.ask({"pub": "host", "prompt": [0, 8], "lo": 5, "hi": 8, "medium": "CPU"}) == "ok"
         assert wait_until(lambda: route("pf")["target_matched_tokens"] == 32, timeout=30)
         assert route("pf")["source"] is None          # delta 0 now
-        # 4. peer fetch from pf's host, at the address the indexer gave
+        # 4. peer fetch from pf's host, at the address the indexer gave: dc's advertised one
         fetch = helper(net, "pf", "peer-fetch", "8", str(BS), log=tmp_path / "fetch.log",
                        env={"UCX_TLS": "tcp,self"})
         procs.append(fetch)

@@ -78,8 +78,9 @@ def test_tokens_hashed_from_msgpack_bytes_equal_the_list_path():
     from kvtier.ids import ModelName, RequestKey
 
     if not fd._RAW_TOKENS:
-        print("SKIPPED: the native helper is not built: tokens are decoded to lists")
-        pytest.skip("the native helper is not built: tokens are decoded to lists")
+        from tests.unit.test_indexer_keys import skip_without_native
+
+        skip_without_native("the native helper is not built: tokens are decoded to lists")
     rng = random.Random(2)
     h = RequestKeyHasher(ModelName("m"), 4, seed=3)
     for toks in ([], list(range(7)), [rng.randrange(2**32) for _ in range(40)],
