@@ -38,6 +38,8 @@ from kvtier.router.pool import InstanceState
 from kvtier.router.requests import forward_headers
 from starlette.routing import Route
 
+from kvtier.ids import PodId
+
 log = logging.getLogger("kvtier.router")
 
 MAX_REMEMBERED = 100_000
@@ -79,7 +81,7 @@ def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str 
 
     def choose(pinned: str | None) -> InstanceState | None:
         if pinned is not None:
-            inst = router.pool.by_name.get(pinned)  # type: ignore[arg-type]
+            inst = router.pool.by_name.get(PodId(pinned))
             if inst is not None and inst.healthy:
                 return inst
         pool = router.pool
@@ -173,7 +175,7 @@ def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str 
             return error(401, "missing or invalid bearer token", "authentication_error")
         rid = request.path_params["response_id"]
         pinned = affinity.get(rid, tenant) if len(rid) <= _ID_MAX else None
-        inst = router.pool.by_name.get(pinned) if pinned else None  # type: ignore[arg-type]
+        inst = router.pool.by_name.get(PodId(pinned)) if pinned else None
         if inst is None:
             return error(404, f"no response {rid!r}", "not_found_error")
         headers = forward_headers({}, uuid.uuid4().hex[:24], cfg.engine_api_key)
