@@ -14,6 +14,9 @@ import importlib
 _LAZY = {
     "KVTierConnector": "kvtier.connectors.kvtier_connector",
     "CostAwareConnector": "kvtier.connectors.cost_connector",
+    # Registered too: inside a MultiConnector vLLM rebuilds each child's stats by class name
+    # from this registry ("Connector 'KVTierNixlConnector' is not registered" otherwise).
+    "KVTierNixlConnector": "kvtier.connectors.params_feed",
 }
 
 

@@ -60,6 +60,14 @@ class TurnRecord(msgspec.Struct):
     # why the router did not read retained device KV for this turn (its ``served`` log's
     # ``refusal``: stale, expired, unproven, below_threshold); "" when it read or had none
     refusal: str = ""
+    # With decode leases, what the router chose for this turn's retained device KV (its
+    # ``served`` log line): hold it ``hold_s`` seconds (0: released at once; None: not
+    # retained under a lease), on which ``hold_basis`` (renew, conversation, fleet, default),
+    # from ``hold_samples`` observed waits; ``hold_why`` the adaptive policy's explanation.
+    hold_s: float | None = None
+    hold_basis: str = ""
+    hold_samples: int = 0
+    hold_why: str = ""
 
 
 class MemorySample(msgspec.Struct):
@@ -115,6 +123,34 @@ class RunResult(msgspec.Struct):
         for t in self.turns:
             if t.refusal:
                 out[t.refusal] = out.get(t.refusal, 0) + 1
+        return out
+
+    def hold_choices(self) -> dict[str, dict]:
+        """Per conversation, the device holds the router chose (decode leases): turns held
+        (hold > 0) and released at once (hold 0), the hold seconds chosen, the bases, and
+        the follow-up turns that read the device copy. Conversations with no choice logged
+        are left out."""
+        out: dict[str, dict] = {}
+        by_conv: dict[str, list[TurnRecord]] = {}
+        for t in self.turns:
+            by_conv.setdefault(t.conversation_id, []).append(t)
+        for conv, ts in by_conv.items():
+            ts.sort(key=lambda t: t.turn)
+            chosen = [t for t in ts if t.hold_s is not None]
+            if not chosen:
+                continue
+            holds = [float(t.hold_s) for t in chosen]  # type: ignore[arg-type]
+            bases: dict[str, int] = {}
+            for t in chosen:
+                bases[t.hold_basis or "?"] = bases.get(t.hold_basis or "?", 0) + 1
+            out[conv] = {
+                "turns": len(ts), "held": sum(1 for h in holds if h > 0),
+                "released": sum(1 for h in holds if h <= 0),
+                "hold_s": holds, "bases": bases,
+                "sequence": [(t.turn, float(t.hold_s), t.hold_basis)  # type: ignore[arg-type]
+                             for t in chosen],
+                "dp_reads": sum(1 for t in ts if t.ok and t.reuse_path == ReusePath.DP_READ),
+            }
         return out
 
     def ttft_by_turn(self) -> dict[tuple[str, int], float]:
@@ -206,8 +242,17 @@ class RunResult(msgspec.Struct):
             "reuse_by_path": self.reuse_by_path(),
             "turns_by_path": self.turns_by_path(),
             "refusals": self.refusals(),
+            **self._hold_summary(),
             **engine_summary(self.meta.get("engine")),
         }
+
+    def _hold_summary(self) -> dict:
+        """Turns the router held / released at once under decode leases (only when any)."""
+        holds = [t.hold_s for t in self.turns if t.hold_s is not None]
+        if not holds:
+            return {}
+        return {"turns_held": sum(1 for h in holds if h > 0),
+                "turns_released": sum(1 for h in holds if h <= 0)}
 
 
 REPEAT_GAP_S = 1.0  # between repeats on the merged time axis, so no two share an instant

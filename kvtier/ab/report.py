@@ -199,6 +199,50 @@ def _refusal_table(results: Sequence[RunResult]) -> list[str]:
     return lines + [""]
 
 
+def _hold_section(results: Sequence[RunResult]) -> list[str]:
+    """Per strategy with decode leases: what its router chose for each conversation's turns
+    (held / released at once, the hold seconds and their basis, in turn order) and the device
+    block·s the decode nodes counted."""
+    lines: list[str] = []
+    for r in results:
+        per = r.hold_choices()
+        if not per:
+            continue
+        rr = r.meta.get("router_retention") or {}
+        how = ", ".join(f"{k}={v}" for k, v in rr.items())
+        lines += [f"## `{r.strategy}`: device holds chosen online, per conversation", "",
+                  "The router's choice for each turn it retained under a decode lease (live: its "
+                  "`served` log line; simulated: the same policy): hold the turn's device KV for "
+                  "*s* seconds, or release it "
+                  "at once (0), on the basis of the conversation's own waits, the fleet's, or "
+                  "the default before any wait was seen." + (f" Router: {how}." if how else ""),
+                  "",
+                  "| conversation | turns | held | released | D->P reads | hold s by turn "
+                  "(basis) |", "|---|---|---|---|---|---|"]
+        for conv, c in sorted(per.items()):
+            seq = ", ".join(f"#{i}: {h:.3g} ({b or '?'})" for i, h, b in c["sequence"])
+            lines.append(f"| {conv} | {c['turns']} | {c['held']} | {c['released']} | "
+                         f"{c['dp_reads']} | {seq} |")
+        held = sum(c["held"] for c in per.values())
+        rel = sum(c["released"] for c in per.values())
+        mixed = [k for k, c in per.items() if c["held"] and c["released"]]
+        only_held = sum(1 for c in per.values() if c["held"] and not c["released"])
+        only_rel = sum(1 for c in per.values() if c["released"] and not c["held"])
+        lines += ["", f"{held} turns held, {rel} released at once; conversations: {only_held} "
+                  f"only held, {only_rel} only released, {len(mixed)} both. Device block·s "
+                  f"{_fmt(r.device_block_seconds())} (peak {r.device_blocks_peak()} blocks; "
+                  f"from {r.meta.get('device_blocks_source', 'ledger')})."]
+        # the policy's own words for its latest hold and its latest release
+        for label, pick in (("hold", lambda h: h > 0), ("release", lambda h: h <= 0)):
+            whys = [t for t in r.turns if t.hold_why and t.hold_s is not None and pick(t.hold_s)]
+            if whys:
+                w = max(whys, key=lambda t: t.t_start)
+                lines.append(f"- Latest {label} (`{w.conversation_id}` turn {w.turn}): "
+                             f"{w.hold_why}")
+        lines.append("")
+    return lines
+
+
 def _bucket_table(results: Sequence[RunResult]) -> str:
     per = {r.strategy: r.ttft_by_bucket(DEFAULT_BUCKETS) for r in results}
     buckets = sorted({b for v in per.values() for b in v})
@@ -212,7 +256,7 @@ def _bucket_table(results: Sequence[RunResult]) -> str:
 
 
 def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = None,
-             simulated: Sequence[RunResult] | None = None) -> str:
+             simulated: Sequence[RunResult] | None = None, plots: bool = True) -> str:
     env = meta.get("environment", {})
     lines = [f"# kvtier A/B report — {meta.get('trace', '?')}", ""]
     lines += [
@@ -252,11 +296,18 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     if slo:
         lines += _slo_section(results, float(slo))
     lines += _refusal_table(results)
+    lines += _hold_section(results)
     if meta.get("adaptive"):
         lines += ["## What tiered-adaptive was configured with", ""]
         for name, a in meta["adaptive"].items():
-            device = (f"decode TTL {a.get('decode_ttl_s')} s (trace seconds)"
-                      if a.get("device_retention", True) else "no device retention")
+            if a.get("leases"):
+                device = (f"decode leases ({a.get('decode_lease_s')} s), retention "
+                          f"{a.get('retention')}, host copy {a.get('host_copy')}; vLLM TTL "
+                          f"{a.get('decode_ttl_s')} s (trace seconds) as the upper bound")
+            elif a.get("device_retention", True):
+                device = f"decode TTL {a.get('decode_ttl_s')} s (trace seconds)"
+            else:
+                device = "no device retention"
             lines.append(f"- `{name}`: kv_recompute_threshold={a.get('kv_recompute_threshold')}, "
                          f"min_cached_token_delta={a.get('min_cached_token_delta')}, "
                          f"{device}. {a.get('ttl_choice', '')}")
@@ -288,7 +339,8 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
         lines += ["## How each number is measured", ""]
         lines += [f"- **{k}**: {v}" for k, v in meta["measurement"].items()]
         lines.append("")
-    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in PLOTS] + [""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in PLOTS] + [""]
     return "\n".join(lines)
 
 
@@ -439,7 +491,7 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
     }
     (out / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc)))
     md = out / "report.md"
-    md.write_text(markdown(results, meta, sim_error, simulated))
+    md.write_text(markdown(results, meta, sim_error, simulated, plots=plots))
     if plots:
         plot_all(results, out)
     return md

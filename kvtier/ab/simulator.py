@@ -36,7 +36,11 @@ What is modelled (and what the live run measures the same way, so `compare` is f
 - **Adaptive device TTL**: ``adaptive`` strategies re-choose the decode TTL online from
   the tool waits observed so far (`kvtier.cost.retention.choose_device_ttl`, last 512 waits,
   every 8 new ones; TTL 0, no retention, when no TTL pays for its memory); ``online_ttl=False``
-  keeps it fixed, as a live vLLM stack must.
+  keeps it fixed, as a live vLLM stack without leases must. With decode leases (``leases``,
+  live ``tiered-adaptive``) the hold is chosen per conversation and turn as the router does
+  (`kvtier.cost.hold.HoldPolicy`: the conversation's own waits after three of them, the
+  fleet's before, the router's entry TTL before any), recorded in each turn's ``hold_s`` /
+  ``hold_basis``.
 
 Not modelled: the shape of vLLM's batching beyond processor sharing (token budgets per
 step, chunk boundaries, a batch's cost not being the sum of its parts), network contention
@@ -63,6 +67,7 @@ from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnReco
 from kvtier.ab.strategies import StrategySpec, builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
 from kvtier.cost.decide import Offer, decide
+from kvtier.cost.hold import HoldPolicy
 from kvtier.cost.model import CostModel
 from kvtier.cost.retention import WaitSample, choose_device_ttl
 from kvtier.cost.reuse import align_down
@@ -228,13 +233,14 @@ class _Policy:
     adaptive: bool
     horizon_s: float = 60.0  # adaptive: kvtier.cost.retention's holding price
     online_ttl: bool = False  # adaptive: re-choose the device TTL as waits are observed
+    leases: bool = False  # decode leases: the hold is chosen per conversation and turn
 
     @classmethod
     def of(cls, s: StrategySpec, online_ttl: bool = True) -> "_Policy":
         ttl = float(s.decode_ttl_s or 0.0) if s.device_retention else 0.0
         return cls(s.name, ttl, s.dp_reuse and ttl > 0, s.host_tier, s.peer_fetch, s.prefix_caching,
                    s.kv_recompute_threshold, s.min_cached_token_delta, s.adaptive,
-                   s.retention_horizon_s, online_ttl and s.adaptive)
+                   s.retention_horizon_s, online_ttl and s.adaptive, leases=s.leases)
 
 
 class _Sim:
@@ -261,6 +267,14 @@ class _Sim:
         self.finished_at: dict[ConversationId, tuple[float, int]] = {}
         self.ttl_s = policy.ttl_s
         self.ttl_history: list[tuple[float, float]] = [(0.0, policy.ttl_s)]
+        # decode leases (adaptive, online): the router's per-conversation hold policy, capped
+        # like the router's at its entry TTL (the device TTL less the router's margin)
+        self.hold: HoldPolicy | None = None
+        self.hold_cap = policy.ttl_s - min(30.0, 0.1 * policy.ttl_s)
+        if policy.leases and policy.online_ttl and policy.ttl_s > 0 and "dp_read" in cost.reads:
+            self.hold = HoldPolicy(cost, host_copy=policy.host_copy and policy.p2p,
+                                   default_hold_s=self.hold_cap, horizon_s=policy.horizon_s)
+        self.record_of: dict[tuple[ConversationId, int], TurnRecord] = {}
 
     # -- event plumbing -------------------------------------------------------------------
     def push(self, t: float, kind: int, payload: tuple) -> None:
@@ -379,6 +393,9 @@ class _Sim:
 
     def observe_wait(self, conv: ConversationId) -> None:
         t, tokens = self.finished_at.pop(conv)
+        if self.hold is not None:
+            self.hold.observe(str(conv), self.now - t, tokens)
+            return
         self.waits.append(WaitSample(self.now - t, tokens))
         n = len(self.waits)
         if n >= ADAPTIVE_MIN_WAITS and (n - ADAPTIVE_MIN_WAITS) % ADAPTIVE_REFIT_EVERY == 0:
@@ -432,12 +449,15 @@ class _Sim:
         self.decodes[d].active_blocks += blocks
         ttft = self.now - pend["arrival"]
         e2e = ttft + spec.response_tokens * self.cost.decode_s_per_token
-        self.records.append(TurnRecord(
+        rec = TurnRecord(
             strategy=self.p.name, conversation_id=conv, turn=turn, prompt_tokens=pend["prompt"],
             reused_tokens=pend["reused"], reuse_path=pend["reuse_path"],
             computed_tokens=pend["prompt"] - pend["reused"], ttft_s=ttft, e2e_s=e2e,
             transfer_s=pend["transfer"], t_start=pend["arrival"], outcome=pend["outcome"],
-            response_tokens=spec.response_tokens))
+            response_tokens=spec.response_tokens)
+        self.records.append(rec)
+        if self.hold is not None:
+            self.record_of[(conv, turn)] = rec
         self.push(pend["arrival"] + e2e, _FINISH, (conv, turn, blocks))
 
     def on_finish(self, conv: ConversationId, turn: int, blocks: int) -> None:
@@ -446,8 +466,14 @@ class _Sim:
         dec.active_blocks -= blocks
         tokens = self.plans[conv][turn].context_after
         self.finished_at[conv] = (self.now, tokens)
-        if self.p.ttl_s > 0 and self.ttl_s > 0:
-            ttl = self.ttl_s
+        ttl = self.ttl_s
+        if self.hold is not None:
+            c = self.hold.choose(str(conv))
+            ttl = min(c.hold_s, self.hold_cap)
+            rec = self.record_of.pop((conv, turn), None)
+            if rec is not None:
+                rec.hold_s, rec.hold_basis, rec.hold_samples = round(ttl, 1), c.basis, c.samples
+        if self.p.ttl_s > 0 and ttl > 0:
             before = dec.retained_total
             dec.retain(_Retained(conv, blocks, tokens, self.now + ttl))
             self.dev_total += dec.retained_total - before

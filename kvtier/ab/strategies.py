@@ -15,15 +15,24 @@
                    covers long ones (peer fetch), and small deltas are recomputed
                    (``kv_recompute_threshold`` / ``min_cached_token_delta``).
 ``tiered-adaptive`` as tiered, with both thresholds taken from the cost model
-                   (``CostModel.recommend()``) and the device TTL from the cost model and
-                   the tool waits seen so far (``kvtier.cost.retention``: hold on device
-                   only while the device read saves more than the memory costs), and the
-                   path picked per request by cost (``kvtier.cost.decide``) in the simulator,
-                   which also re-chooses the TTL online as waits arrive. Live, vLLM fixes
-                   ``kv_recompute_threshold`` and ``decoder_kv_blocks_ttl`` when an
-                   instance starts, so the live run uses the values calibrated on the
-                   runs before it.
+                   (``CostModel.recommend()``), deployed with **decode leases**
+                   (``leases``: ``KVTierNixlConnector`` from
+                   ``configs/nixl-bidirectional-lease.json`` + the host tier): the router
+                   decides online, per conversation and per turn, how long to hold each
+                   retained turn on the decode device (``retention: adaptive``,
+                   ``kvtier.cost.hold.HoldPolicy``: from the cost model and the waits it
+                   has observed so far -- a conversation's own after three of them, the
+                   fleet's before) and releases it early when holding does not pay; it
+                   also picks the reuse path per turn by cost (``kvtier.cost.decide``).
+                   vLLM's ``decoder_kv_blocks_ttl`` stays the upper bound. The simulator
+                   applies the same policy per conversation and turn.
 =================  ===========================================================================
+
+Without leases (``leases=False``, e.g. a variant built with ``model_copy``) an adaptive
+strategy is configured once before its run, as before: vLLM fixes ``kv_recompute_threshold``
+and ``decoder_kv_blocks_ttl`` when an instance starts, so the thresholds and the TTL come from
+the cost model and the waits of the runs before it (``with_cost_model``), and no device
+retention at all when no TTL pays for the memory it holds.
 
 A ``StrategySpec`` is pure data; the live runner turns it into a
 ``StackSpec`` (``kvtier.ab.live.runner.stack_spec_for``), a vLLM ``--kv-transfer-config``
@@ -51,6 +60,10 @@ from kvtier.configs import load_config_file
 from kvtier.cost.model import CostModel
 from kvtier.cost.retention import TtlChoice, WaitSample, choose_device_ttl
 
+# Connectors that carry vLLM's NIXL knobs (bidirectional transfer, decode TTL, recompute
+# threshold): vLLM's own and kvtier's subclass with decode leases.
+NIXL_CONNECTORS = ("NixlConnector", "KVTierNixlConnector")
+
 StrategyName = Literal["recompute", "device-ttl", "host-p2p", "tiered", "tiered-adaptive"]
 STRATEGY_NAMES: tuple[str, ...] = ("recompute", "device-ttl", "host-p2p", "tiered",
                                    "tiered-adaptive")
@@ -61,6 +74,11 @@ VLLM_DEFAULT_RECOMPUTE_THRESHOLD = 64
 # The short device TTL of `tiered`: covers the median tool wait of agentic traces
 # (seconds), leaves the long tail to the host copy.
 TIERED_DEVICE_TTL_S = 30.0
+# The decode lease the router asks for (renewed every third of it while a turn is held).
+DEFAULT_DECODE_LEASE_S = 30.0
+# The shortest lease a (time-scaled) run asks for: vLLM's prefill declines a D->P read within
+# 5 s of the blocks' deadline, so a shorter lease would make every read look expired.
+MIN_DECODE_LEASE_S = 6.0
 
 
 class StrategySpec(BaseModel):
@@ -82,6 +100,14 @@ class StrategySpec(BaseModel):
     kv_recompute_threshold: int = Field(VLLM_DEFAULT_RECOMPUTE_THRESHOLD, ge=0)
     min_cached_token_delta: int = Field(0, ge=0)
     adaptive: bool = False           # thresholds and device TTL from the cost model
+    # Decode leases (a KVTierNixlConnector config with decode_lease_s): the router holds each
+    # retained turn under a lease it renews or releases; with ``adaptive`` and a cost model,
+    # it chooses the hold per conversation and turn (retention: adaptive). The device TTL is
+    # then only the upper bound.
+    leases: bool = False
+    decode_lease_s: float = Field(DEFAULT_DECODE_LEASE_S, gt=0)
+    # The cost model the router decides with (adaptive + leases; set by with_cost_model).
+    cost_model: CostModel | None = None
     # adaptive: holding a turn's blocks this long costs as much as recomputing them
     # (kvtier.cost.retention); sets how long the device TTL may grow.
     retention_horizon_s: float = Field(60.0, gt=0)
@@ -101,6 +127,8 @@ class StrategySpec(BaseModel):
             raise ValueError(f"{self.name}: peer_fetch needs host_tier and use_indexer")
         if self.prefill + self.decode > 3:
             raise ValueError("the local stack runs at most 3 instances")
+        if self.leases and not self.device_retention:
+            raise ValueError(f"{self.name}: leases need device_retention")
         return self
 
     # -- variants ---------------------------------------------------------------------------
@@ -115,7 +143,13 @@ class StrategySpec(BaseModel):
         so a shortened demo stays in the same regime (which waits outlive the TTL)."""
         if not self.device_retention or time_scale == 1.0:
             return self
-        return self.with_ttl(max(1.0, self.decode_ttl_s * time_scale))  # type: ignore[operator]
+        out = self.with_ttl(max(1.0, self.decode_ttl_s * time_scale))  # type: ignore[operator]
+        if self.leases:
+            # the router's price of holding scales with the waits it prices
+            out = out.model_copy(update={
+                "decode_lease_s": max(MIN_DECODE_LEASE_S, self.decode_lease_s * time_scale),
+                "retention_horizon_s": self.retention_horizon_s * time_scale})
+        return out
 
     def with_thresholds(self, kv_recompute_threshold: int,
                         min_cached_token_delta: int) -> "StrategySpec":
@@ -123,15 +157,21 @@ class StrategySpec(BaseModel):
                                        "min_cached_token_delta": int(min_cached_token_delta)})
 
     def with_cost_model(self, cost: CostModel, waits: Sequence[WaitSample] = ()) -> "StrategySpec":
-        """For adaptive strategies: thresholds from ``cost.recommend()`` (a CostModel) and,
-        given observed tool waits (``kvtier.cost.retention.WaitSample``), the device TTL from
-        ``choose_device_ttl`` -- or no device retention at all when no TTL pays for the
-        memory it holds (then the decode node keeps nothing and the router hands the next
-        prefill no D->P params; the host copy and recompute remain)."""
+        """For adaptive strategies: thresholds from ``cost.recommend()`` (a CostModel).
+
+        With decode leases the cost model also goes to the router (``router_settings``),
+        which decides the device hold online per conversation and turn; the observed
+        ``waits`` change nothing here and vLLM's TTL stays the upper bound. Without leases,
+        given observed tool waits (``kvtier.cost.retention.WaitSample``), the device TTL
+        comes from ``choose_device_ttl`` -- or no device retention at all when no TTL pays
+        for the memory it holds (then the decode node keeps nothing and the router hands the
+        next prefill no D->P params; the host copy and recompute remain)."""
         if not self.adaptive:
             return self
         rec = cost.recommend()
         spec = self.with_thresholds(rec.kv_recompute_threshold, rec.min_cached_token_delta)
+        if self.leases:
+            return spec.model_copy(update={"cost_model": cost})
         if waits and self.device_retention:
             choice = self.adaptive_ttl(cost, waits)
             spec = spec.with_ttl(choice.ttl_s) if choice.retain else spec.without_retention()
@@ -140,12 +180,34 @@ class StrategySpec(BaseModel):
     def without_retention(self) -> "StrategySpec":
         """The same strategy with the decode node keeping nothing after a turn."""
         return self.model_copy(update={"device_retention": False, "decode_ttl_s": None,
-                                       "dp_reuse": False})
+                                       "dp_reuse": False, "leases": False})
+
+    def without_host_copy(self) -> "StrategySpec":
+        """The same strategy with no host tier (its ``KVTierConnector`` configs dropped, no
+        peer fetch, no indexer): a device copy or a recompute are the only ways to reuse.
+        For an adaptive strategy with leases the router then prices releasing a turn
+        against recomputing it, not against a host read."""
+        keep = tuple(n for n in self.kv_configs
+                     if load_config_file(n).get("kv_connector") != "KVTierConnector")
+        return StrategySpec.model_validate({
+            **self.model_dump(), "kv_configs": keep, "host_tier": False, "peer_fetch": False,
+            "use_indexer": False, "host_bytes": None, "min_cached_token_delta": 0})
+
+    @property
+    def host_copy(self) -> bool:
+        """A host tier keeps a copy of every turn that a next prefill can fetch."""
+        return self.host_tier and self.peer_fetch
+
+    @property
+    def adaptive_retention(self) -> bool:
+        """The router chooses each turn's device hold online (leases + a cost model)."""
+        return bool(self.adaptive and self.leases and self.cost_model is not None
+                    and "dp_read" in self.cost_model.reads)
 
     def adaptive_ttl(self, cost: CostModel, waits: Sequence[WaitSample]) -> TtlChoice:
         """The cost model's device TTL for these waits (a ``TtlChoice``)."""
 
-        return choose_device_ttl(cost, waits, host_copy=self.host_tier and self.peer_fetch,
+        return choose_device_ttl(cost, waits, host_copy=self.host_copy,
                                  horizon_s=self.retention_horizon_s)
 
     def with_host_bytes(self, host_bytes: int | None) -> "StrategySpec":
@@ -164,7 +226,7 @@ class StrategySpec(BaseModel):
         children = [copy.deepcopy(load_config_file(n)) for n in self.kv_configs]
         for c in children:
             extra = c.setdefault("kv_connector_extra_config", {})
-            if c.get("kv_connector") == "NixlConnector":
+            if c.get("kv_connector") in NIXL_CONNECTORS:
                 extra["bidirectional_kv_xfer"] = self.device_retention
                 if self.device_retention:
                     extra["decoder_kv_blocks_ttl"] = _ttl_value(self.decode_ttl_s)
@@ -172,6 +234,9 @@ class StrategySpec(BaseModel):
                 else:
                     extra.pop("decoder_kv_blocks_ttl", None)
                     extra.pop("kv_recompute_threshold", None)
+                if c["kv_connector"] == "KVTierNixlConnector" and "decode_lease_s" in extra:
+                    # the node's default lease (the router asks for its own on every leg)
+                    extra["decode_lease_s"] = self.decode_lease_s
             elif c.get("kv_connector") == "KVTierConnector":
                 extra["peer_fetch"] = self.peer_fetch
                 extra["kv_events"] = self.host_tier
@@ -184,13 +249,24 @@ class StrategySpec(BaseModel):
                 "kv_connector_extra_config": {"connectors": children}}
 
     def router_settings(self) -> dict:
-        """RouterConfig fields this strategy sets (instances/indexer URL come from the run)."""
+        """RouterConfig fields this strategy sets (instances/indexer URL, and each decode
+        instance's ``lease`` endpoint, come from the run). With leases: the lease the router
+        asks for, and -- adaptive with a cost model -- ``retention: adaptive`` with the cost
+        model and whether a host copy exists (the hold is priced against reading it instead
+        of recomputing); without a cost model the router renews while it keeps a turn."""
         out: dict = {"min_cached_token_delta": self.min_cached_token_delta}
         if self.device_retention:
             ttl = float(self.decode_ttl_s)  # type: ignore[arg-type]
             out["decode_kv_ttl_s"] = ttl
             # Expire the router's entry a little before D frees the blocks.
             out["ttl_margin_s"] = min(30.0, 0.1 * ttl)
+        if self.leases:
+            out["decode_lease_s"] = self.decode_lease_s
+            out["host_copy"] = self.host_copy
+            if self.adaptive_retention:
+                out["retention"] = "adaptive"
+                out["hold_horizon_s"] = self.retention_horizon_s
+                out["cost_model"] = self.cost_model.model_dump()  # type: ignore[union-attr]
         return out
 
 
@@ -243,8 +319,9 @@ _BUILTIN: dict[str, StrategySpec] = {
         min_cached_token_delta=64),
     "tiered-adaptive": StrategySpec(
         name="tiered-adaptive",
-        description="tiered with thresholds from the calibrated cost model",
-        kv_configs=("nixl-bidirectional", "kvtier-peer"), device_retention=True,
-        decode_ttl_s=TIERED_DEVICE_TTL_S, dp_reuse=True, host_tier=True, peer_fetch=True,
-        use_indexer=True, adaptive=True, min_cached_token_delta=64),
+        description="tiered with thresholds from the cost model; the router holds or releases "
+                    "each turn's device KV online (decode leases, per conversation and turn)",
+        kv_configs=("nixl-bidirectional-lease", "kvtier-peer"), device_retention=True,
+        decode_ttl_s=VLLM_DEFAULT_TTL_S, dp_reuse=True, host_tier=True, peer_fetch=True,
+        use_indexer=True, adaptive=True, leases=True, min_cached_token_delta=64),
 }

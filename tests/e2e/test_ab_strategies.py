@@ -1,8 +1,9 @@
 """Each retention strategy's config starts a real vLLM-CPU stack and serves a short
 conversation through the router; the A/B report is generated from those real runs.
 
-Strategies whose stack specs are equal (tiered, tiered-adaptive without a cost model)
-share one stack through ``stack_pool``.
+Strategies whose stack specs are equal share one stack through ``stack_pool``.
+``tiered-adaptive`` deploys decode leases (``KVTierNixlConnector``); the last test shows its
+router holding one conversation's turns on the device and releasing another's, online.
 """
 
 from __future__ import annotations
@@ -30,9 +31,28 @@ def short_trace() -> Trace:
     return Trace("e2e-short", 4096, convs)
 
 
+def _registered(connector: str) -> bool:
+    """``connector`` is known to vLLM's connector registry after kvtier's plugin ran. A
+    MultiConnector rebuilds each child's stats by class name from that registry in the API
+    server, so an unregistered child (loaded by module path) crashes it at the first stats
+    record."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvtier.connectors import register
+
+    register()
+    try:
+        KVConnectorFactory.get_connector_class_by_name(connector)
+    except ValueError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
 def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
     spec = builtin(name)
+    if spec.leases and spec.host_tier:
+        assert _registered("KVTierNixlConnector"), "kvtier.connectors.register misses it"
     stack = stack_pool.get(stack_spec_for(spec, tiny_model))
     opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
                       progress=False, sample_interval_s=0.2)
@@ -62,11 +82,13 @@ def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
 
 
 def test_adaptive_short_ttl_hands_long_waits_to_the_host_copy(stack_pool, tiny_model, tmp_path):
-    """tiered-adaptive with the shortest device TTL the cost model picks (1 s: a device read pays
-    only for the shortest waits; when it pays for none, the strategy keeps nothing on the device
-    and deploys like host-p2p). Waits of 3 s outlive it, so every follow-up is served from a
-    host tier, and the device holds each turn for ~1 s only."""
-    spec = builtin("tiered-adaptive").with_ttl(1.0)
+    """tiered-adaptive as configured without decode leases (a fixed TTL chosen once, before the
+    run), with the shortest device TTL the cost model picks (1 s: a device read pays only for the
+    shortest waits; when it pays for none, the strategy keeps nothing on the device and deploys
+    like host-p2p). Waits of 3 s outlive it, so every follow-up is served from a host tier, and
+    the device holds each turn for ~1 s only."""
+    spec = builtin("tiered-adaptive").model_copy(update={
+        "leases": False, "kv_configs": ("nixl-bidirectional", "kvtier-peer")}).with_ttl(1.0)
     stack = stack_pool.get(stack_spec_for(spec, tiny_model))
     convs = [ConversationSpec(f"w{k}", 0.3 * k, 200 + k,
                               [TurnSpec(200, 16, 0.0), TurnSpec(96, 16, 3.0),
@@ -100,3 +122,71 @@ def test_report_from_real_runs(tmp_path):
     if "recompute" in by and "device-ttl" in by:
         assert by["device-ttl"]["computed_tokens"] < by["recompute"]["computed_tokens"]
     assert "e2e-short" in md.read_text()
+
+
+def test_tiered_adaptive_holds_per_conversation_through_decode_leases(stack_pool, tiny_model,
+                                                                       tmp_path):
+    """tiered-adaptive live, deciding online: its router holds each retained turn on the decode
+    node under a lease, for as long as the cost model and the waits observed so far say it pays
+    (``retention: adaptive``), and releases it at once when it does not.
+
+    Setup, chosen for what the CPU can show: the tiny model's committed calibration
+    (``configs/cost-tiny.json``) prices a host read exactly like a D->P read (both move DRAM
+    over NIXL here), so *with* a host copy the policy releases every turn once it has seen a
+    wait (a device copy buys 0 ms over the host copy). Without a host copy the alternative to
+    holding is recomputing, and the choice depends on the wait: holding for ``w`` seconds
+    costs ``recompute x w / 60 s`` (the policy's horizon), so a conversation whose tool took
+    65 s is not worth holding for, one whose tool answers in 2 s is.
+
+    Trace: "long" (2 turns, 65 s apart) runs first; "short" (5 turns, 2 s apart) starts after
+    it. long's first turn is held by default (no wait seen yet) and read D->P 65 s later; its
+    second is released at once (the only wait seen, 65 s, prices holding above recomputing).
+    short's first turn is released too (fleet: only that 65 s wait), its next ones held
+    ~2.5 s (fleet, then from its third turn on its own waits), and read D->P. The device
+    block-seconds are the decode node's own count (``kvtier_decode_*``)."""
+    import os
+    from pathlib import Path
+
+    from kvtier.cost.config import resolve_config_path
+    from kvtier.cost.model import CostModel
+
+    cost = CostModel.model_validate_json(resolve_config_path("cost-tiny.json").read_text())
+    spec = builtin("tiered-adaptive").without_host_copy().with_cost_model(cost)
+    assert spec.router_settings()["retention"] == "adaptive"
+    assert spec.router_settings()["host_copy"] is False
+    stack = stack_pool.get(stack_spec_for(spec, tiny_model))
+    trace = Trace("e2e-hold-per-conversation", 4096, [
+        ConversationSpec("long", 0.0, 301, [TurnSpec(300, 16, 0.0), TurnSpec(64, 16, 65.0)]),
+        ConversationSpec("short", 68.0, 302, [TurnSpec(300, 16, 0.0)]
+                         + [TurnSpec(64, 16, 2.0)] * 4)])
+    opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
+                      progress=False, sample_interval_s=0.25)
+    res = run_strategy(spec, trace, opts, stack=stack)
+    assert [t.error for t in res.turns if not t.ok] == []
+    by = {(t.conversation_id, t.turn): t for t in res.turns}
+    choices = res.hold_choices()
+    print("hold choices:", json.dumps(choices, indent=1))
+    print("reuse:", [(k, t.reuse_path, t.reused_tokens) for k, t in sorted(by.items())])
+    # every turn was retained under a lease and has the router's choice
+    assert all(t.hold_s is not None for t in res.turns), [(k, t.hold_s) for k, t in by.items()]
+    # long: held by default, read after 65 s, then released at once
+    assert by["long", 0].hold_basis == "default" and by["long", 0].hold_s > 0
+    assert by["long", 1].reuse_path == "dp_read" and by["long", 1].reused_tokens >= 256
+    assert by["long", 1].hold_s == 0 and by["long", 1].hold_samples >= 1
+    assert "no device retention" in by["long", 1].hold_why
+    # short: held from its second turn on; from its fourth on its own three waits
+    assert all(by["short", i].hold_s > 0 for i in (1, 2, 3, 4))
+    assert {by["short", i].hold_basis for i in (3, 4)} == {"conversation"}
+    assert any(by["short", i].reuse_path == "dp_read" for i in (2, 3, 4)), \
+        [(i, by["short", i].reuse_path) for i in range(5)]
+    assert choices["long"]["released"] >= 1 and choices["short"]["held"] >= 3
+    # the decode node's own count of what it held
+    assert res.meta["device_blocks_source"].startswith("decode metrics")
+    assert res.meta["device_block_s_counted"] > 0
+    assert res.meta["router_retention"]["retention"] == "adaptive"
+    out = Path(os.environ.get("KVTIER_AB_E2E_REPORT") or tmp_path / "report")
+    md = write_report([res], out, {"model": "tiny", "trace": trace.name, "mode": "live",
+                                   "conversations": 2, "turns": 7, "measurement": MEASUREMENT,
+                                   "command": "pytest tests/e2e/test_ab_strategies.py -k "
+                                              "holds_per_conversation"}, plots=False)
+    assert "device holds chosen online, per conversation" in md.read_text()

@@ -11,9 +11,12 @@ from kvtier.ab.live.probes import (
     DecodeRetention,
     Endpoint,
     EngineProbe,
+    ServedTurn,
     capture_served,
+    lease_endpoint,
     lease_metrics_offset,
     lease_metrics_urls,
+    lease_port_offset,
 )
 from kvtier.ab.records import RunResult, engine_summary
 from kvtier.ab.strategies import builtin
@@ -151,3 +154,42 @@ def test_served_log_of_a_router_that_adopts_the_clients_id() -> None:
     with capture_served() as served:
         lg.info("served", extra={"request_id": "r9", "refusal": "unproven"})
         assert served.take("r9") == "unproven"
+
+
+def test_lease_endpoint_of_a_decode_node() -> None:
+    lease = load_config_file("nixl-bidirectional-lease")
+    assert lease_port_offset(lease) == 1001
+    assert lease_endpoint(7000, lease) == "tcp://127.0.0.1:8001"
+    # tiered-adaptive deploys the lease connector inside a MultiConnector
+    assert lease_endpoint(7000, builtin("tiered-adaptive").kv_transfer_config()) == \
+        "tcp://127.0.0.1:8001"
+    assert lease_endpoint(7000, builtin("tiered").kv_transfer_config()) is None
+    fixed = {**lease, "kv_connector_extra_config": {
+        **lease["kv_connector_extra_config"], "lease_endpoint": "tcp://10.0.0.1:9"}}
+    assert lease_port_offset(fixed) is None and lease_endpoint(7000, None) is None
+
+
+def test_served_log_keeps_the_hold_choice_of_each_turn() -> None:
+    lg = logging.getLogger("kvtier.router")
+    ret = logging.getLogger("kvtier.router.retention")
+    with capture_served() as served:
+        # retention: adaptive logs its choice (and why) while the turn is served
+        ret.info("hold", extra={"conversation_id": "c1", "pod": "decode-0", "hold_s": 0.0,
+                                "hold_basis": "fleet", "hold_samples": 1,
+                                "why": "... -> no device retention"})
+        lg.info("served", extra={"client_request_id": "r1", "conversation_id": "c1",
+                                 "hold_s": 0.0, "hold_basis": "fleet", "hold_samples": 1})
+        lg.info("served", extra={"client_request_id": "r2", "conversation_id": "c2",
+                                 "hold_s": 2.5, "hold_basis": "conversation",
+                                 "hold_samples": 3, "refusal": ""})
+        lg.info("served", extra={"client_request_id": "r3", "conversation_id": "c1",
+                                 "refusal": "expired"})  # not retained under a lease
+        lg.info("served", extra={"client_request_id": "r4", "hold_s": "bad",
+                                 "hold_samples": True})
+        assert served.take_turn("r1") == ServedTurn("", 0.0, "fleet", 1,
+                                                    "... -> no device retention")
+        assert served.take_turn("r2") == ServedTurn("", 2.5, "conversation", 3, "")
+        r3 = served.take_turn("r3")
+        assert r3.refusal == "expired" and r3.hold_s is None and r3.hold_why == ""
+        assert served.take_turn("r4") == ServedTurn()
+        assert served.take_turn("r1") == ServedTurn()  # taken once

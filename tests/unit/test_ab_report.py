@@ -114,3 +114,58 @@ def test_demo_sentences_come_from_the_records():
     assert "At the longest context (~900 tokens)" in text
     assert "device-ttl/recompute" in text and ": faster)" in text
     assert "the decode node held on average: recompute 0.0 MiB" in text
+
+
+def _leased() -> RunResult:
+    """tiered-adaptive with decode leases: one conversation held, one released."""
+    turns = []
+    for conv, holds, bases in (("short", [450.0, 2.5, 2.5, 2.5], ["default", "fleet", "fleet",
+                                                                 "conversation"]),
+                               ("long", [450.0, 0.0], ["default", "fleet"])):
+        for i, (h, b) in enumerate(zip(holds, bases)):
+            path = "dp_read" if i and (conv == "short" or i == 1) else "none"
+            turns.append(TurnRecord("tiered-adaptive", conv, i, 300 + 80 * i, 256 if i else 0,
+                                    path, 44 + 80 * i if i else 300, 0.05, 0.3, t_start=float(i),
+                                    hold_s=h, hold_basis=b, hold_samples=i,
+                                    hold_why="-> no device retention" if h == 0 else ""))
+    turns.append(TurnRecord("tiered-adaptive", "none", 0, 300, 0, "none", 300, 0.05, 0.3))
+    mem = [MemorySample("tiered-adaptive", float(t), 10, 0) for t in range(3)]
+    return RunResult("tiered-adaptive", turns, mem, {
+        "t_end": 3.0, "device_block_s_counted": 42.0,
+        "device_blocks_source": "decode metrics (kvtier_decode_*)",
+        "router_retention": {"retention": "adaptive", "host_copy": False}})
+
+
+def test_hold_choices_per_conversation():
+    r = _leased()
+    ch = r.hold_choices()
+    assert set(ch) == {"short", "long"}  # no choice logged: left out
+    assert (ch["short"]["held"], ch["short"]["released"]) == (4, 0)
+    assert (ch["long"]["held"], ch["long"]["released"]) == (1, 1)
+    assert ch["short"]["bases"] == {"default": 1, "fleet": 2, "conversation": 1}
+    assert ch["long"]["sequence"] == [(0, 450.0, "default"), (1, 0.0, "fleet")]
+    assert ch["short"]["dp_reads"] == 3 and ch["long"]["dp_reads"] == 1
+    s = r.summary()
+    assert (s["turns_held"], s["turns_released"]) == (5, 1)
+    assert s["device_block_s"] == 42.0  # the decode nodes' own count
+    assert "turns_held" not in run("device-ttl", 1.0, True).summary()
+
+
+def test_report_shows_the_online_holds_and_the_nodes_block_seconds(tmp_path):
+    meta = {"model": "tiny", "trace": "t", "mode": "live",
+            "adaptive": {"tiered-adaptive": {"kv_recompute_threshold": 160,
+                                             "min_cached_token_delta": 160, "leases": True,
+                                             "retention": "adaptive", "host_copy": False,
+                                             "decode_lease_s": 30.0, "decode_ttl_s": 480.0}}}
+    text = write_report([run("device-ttl", 1.0, True), _leased()], tmp_path, meta,
+                        plots=False).read_text()
+    assert "## `tiered-adaptive`: device holds chosen online, per conversation" in text
+    assert "| long | 2 | 1 | 1 | 1 | #0: 450 (default), #1: 0 (fleet) |" in text
+    assert "| short | 4 | 4 | 0 | 3 |" in text
+    assert "5 turns held, 1 released at once; conversations: 1 only held, 0 only released, " \
+           "1 both. Device block·s 42 (peak 10 blocks; from decode metrics" in text
+    assert "Router: retention=adaptive, host_copy=False." in text
+    assert "decode leases (30.0 s), retention adaptive, host copy False" in text
+    assert "- Latest release (`long` turn 1): -> no device retention" in text
+    assert "`device-ttl`: device holds" not in text  # no leases, no section
+    assert "## Plots" not in text  # none written

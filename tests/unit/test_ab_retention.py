@@ -109,23 +109,36 @@ def test_observed_waits_from_records():
         observed_waits(recs, time_scale=0)
 
 
+def _fixed_ttl_adaptive():
+    """tiered-adaptive as deployed before decode leases: configured once, TTL fixed at start."""
+    return builtin("tiered-adaptive").model_copy(update={
+        "leases": False, "kv_configs": ("nixl-bidirectional", "kvtier-peer"),
+        "decode_ttl_s": 30.0})
+
+
 def test_with_cost_model_sets_ttl_for_adaptive_only():
     waits = [WaitSample(w, 2000) for w in (1, 2, 3, 5, 8)]
     slow_host = _cost(p2p_bw=2e8, p2p_setup=0.2)  # a device read beats the host copy
-    ad = builtin("tiered-adaptive").with_cost_model(slow_host, waits)
+    ad = _fixed_ttl_adaptive().with_cost_model(slow_host, waits)
     assert ad.device_retention and ad.dp_reuse
     assert ad.decode_ttl_s == pytest.approx(8 * 1.2)
     assert builtin("tiered").with_cost_model(slow_host, waits) == builtin("tiered")
     # no waits yet: thresholds only, the default TTL stays
-    assert builtin("tiered-adaptive").with_cost_model(slow_host).decode_ttl_s == \
-        builtin("tiered-adaptive").decode_ttl_s
+    assert _fixed_ttl_adaptive().with_cost_model(slow_host).decode_ttl_s == 30.0
+    # with decode leases the waits change nothing here: the router decides per turn
+    leased = builtin("tiered-adaptive").with_cost_model(slow_host, waits)
+    assert leased.decode_ttl_s == builtin("tiered-adaptive").decode_ttl_s
+    assert leased.router_settings()["retention"] == "adaptive"
 
 
 def test_with_cost_model_drops_retention_that_buys_nothing():
     # The host copy reads as fast as the device: no TTL pays for the blocks it holds, so the
     # adaptive strategy keeps nothing on the decode node (and hands the prefill no D->P params).
     same = _cost(p2p_bw=4e9, p2p_setup=0.004)
-    ad = builtin("tiered-adaptive").with_cost_model(same, [WaitSample(w, 2000) for w in (3, 5)])
+    waits = [WaitSample(w, 2000) for w in (3, 5)]
+    leased = builtin("tiered-adaptive").with_cost_model(same, waits)
+    assert leased.device_retention and leased.dp_reuse  # leases: the router releases per turn
+    ad = _fixed_ttl_adaptive().with_cost_model(same, waits)
     assert not ad.device_retention and not ad.dp_reuse and ad.decode_ttl_s is None
     assert ad.host_tier and ad.peer_fetch
     nixl = ad.kv_transfer_config()["kv_connector_extra_config"]["connectors"][0]
@@ -142,12 +155,22 @@ def test_simulator_online_ttl_cuts_device_memory_with_a_host_copy():
                       host_bytes_per_pod=1 << 34, block_size=BS)
     cost = _cost(p2p_bw=4e9, p2p_setup=0.004)
     fixed = simulate(tr, builtin("tiered"), fleet, cost)
-    online = simulate(tr, builtin("tiered-adaptive"), fleet, cost)
-    frozen = simulate(tr, builtin("tiered-adaptive"), fleet, cost, online_ttl=False)
+    online = simulate(tr, _fixed_ttl_adaptive(), fleet, cost)
+    frozen = simulate(tr, _fixed_ttl_adaptive(), fleet, cost, online_ttl=False)
     hist = online.meta["device_ttl_history"]
-    assert hist[0][1] == builtin("tiered-adaptive").decode_ttl_s
+    assert hist[0][1] == _fixed_ttl_adaptive().decode_ttl_s
     assert hist[-1][1] == 0.0  # the host copy reads as fast: nothing is kept on the device
-    assert frozen.meta["device_ttl_history"] == [(0.0, builtin("tiered-adaptive").decode_ttl_s)]
+    assert frozen.meta["device_ttl_history"] == [(0.0, _fixed_ttl_adaptive().decode_ttl_s)]
     assert online.device_block_seconds() < 0.5 * fixed.device_block_seconds()
     # the host copy still serves the turns the device no longer holds
     assert online.reuse_rate() >= 0.95 * fixed.reuse_rate()
+    # with decode leases (tiered-adaptive as deployed) the router's policy decides per turn:
+    # each conversation's first turn is held by default, every later one released at once
+    leased = simulate(tr, builtin("tiered-adaptive"), fleet, cost)
+    for conv, c in leased.hold_choices().items():
+        assert c["sequence"][0][2] == "default" and c["sequence"][0][1] > 0, conv
+        assert c["held"] == 1 and c["released"] == 11, (conv, c["sequence"])
+    assert leased.device_block_seconds() < 0.5 * fixed.device_block_seconds()
+    assert leased.reuse_rate() >= 0.95 * fixed.reuse_rate()
+    assert simulate(tr, builtin("tiered-adaptive"), fleet, cost,
+                    online_ttl=False).hold_choices() == {}  # frozen: vLLM's TTL only

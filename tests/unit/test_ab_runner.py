@@ -18,6 +18,7 @@ from kvtier.ab.live.runner import (
     _record,
     _split_transfer,
     indexer_for,
+    router_instances,
 )
 from kvtier.ab.records import TurnRecord
 from kvtier.ids import Outcome, ReusePath
@@ -168,3 +169,35 @@ def test_the_in_process_indexer_is_served_and_stopped() -> None:
         assert svc.pod_details() == {}
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/healthz", timeout=5)
+
+
+def _fake_stack(kv_config: dict) -> SimpleNamespace:
+    def inst(name: str, role: str, http: int, side: int) -> SimpleNamespace:
+        return SimpleNamespace(url=f"http://127.0.0.1:{http}", spec=SimpleNamespace(
+            name=name, role=SimpleNamespace(value=role), side_channel_port=side))
+    return SimpleNamespace(spec=SimpleNamespace(kv_transfer_config=kv_config),
+                           instances=[inst("prefill-0", "prefill", 9000, 7000),
+                                      inst("decode-0", "decode", 9001, 7010)])
+
+
+def test_router_gets_the_decode_nodes_lease_endpoints_and_the_adaptive_policy() -> None:
+    from kvtier.router.config import RouterConfig
+
+    from kvtier.ab.strategies import builtin
+    from kvtier.cost.model import CostModel, LinkModel
+
+    cm = CostModel(kv_bytes_per_token=2048, prefill_b_s_per_token=2e-4,
+                   reads={"dp_read": LinkModel(setup_s=0.01, bytes_per_s=4e9),
+                          "p2p": LinkModel(setup_s=0.01, bytes_per_s=4e9)})
+    spec = builtin("tiered-adaptive").with_cost_model(cm)
+    insts = router_instances(_fake_stack(spec.kv_transfer_config()))
+    assert insts == [
+        {"name": "prefill-0", "url": "http://127.0.0.1:9000", "role": "prefill"},
+        {"name": "decode-0", "url": "http://127.0.0.1:9001", "role": "decode",
+         "lease": "tcp://127.0.0.1:8011"}]  # side channel 7010 + lease_port_offset 1001
+    cfg = RouterConfig.model_validate({"instances": insts, **spec.router_settings()})
+    assert cfg.retention == "adaptive" and cfg.host_copy and cfg.cost_model == cm
+    assert [i.lease for i in cfg.decode_instances] == ["tcp://127.0.0.1:8011"]
+    # strategies without leases: no endpoint, the node keeps vLLM's TTL
+    plain = router_instances(_fake_stack(builtin("tiered").kv_transfer_config()))
+    assert all("lease" not in i for i in plain)

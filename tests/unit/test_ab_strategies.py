@@ -7,8 +7,15 @@ from kvtier.router.config import RouterConfig
 from pydantic import ValidationError
 
 from kvtier.ab.live.runner import stack_spec_for
-from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec, builtin, parse_list
+from kvtier.ab.strategies import (
+    MIN_DECODE_LEASE_S,
+    STRATEGY_NAMES,
+    StrategySpec,
+    builtin,
+    parse_list,
+)
 from kvtier.cost.model import CostModel, LinkModel
+from kvtier.cost.retention import WaitSample
 
 
 def children(cfg: dict) -> dict[str, dict]:
@@ -25,8 +32,9 @@ def test_every_strategy_builds_a_stack_and_router_config(name):
     assert "--no-enable-prefix-caching" in spec.extra_args
     assert "--enable-prompt-tokens-details" in spec.extra_args
     ch = children(spec.kv_transfer_config)
-    assert ch["NixlConnector"]["kv_buffer_device"] == "cpu"
-    nixl = ch["NixlConnector"]["kv_connector_extra_config"]
+    nixl_name = "KVTierNixlConnector" if s.leases else "NixlConnector"
+    assert ch[nixl_name]["kv_buffer_device"] == "cpu"
+    nixl = ch[nixl_name]["kv_connector_extra_config"]
     assert nixl["bidirectional_kv_xfer"] is s.device_retention
     assert ("KVTierConnector" in ch) is s.host_tier
     # the router accepts the strategy's settings
@@ -72,7 +80,7 @@ def test_adaptive_takes_thresholds_from_the_cost_model():
     assert (a.kv_recompute_threshold, a.min_cached_token_delta) == (
         rec.kv_recompute_threshold, rec.min_cached_token_delta)
     assert a.kv_recompute_threshold != builtin("tiered-adaptive").kv_recompute_threshold
-    nixl = children(a.kv_transfer_config())["NixlConnector"]["kv_connector_extra_config"]
+    nixl = children(a.kv_transfer_config())["KVTierNixlConnector"]["kv_connector_extra_config"]
     assert nixl["kv_recompute_threshold"] == rec.kv_recompute_threshold
     assert builtin("tiered").with_cost_model(cm) == builtin("tiered")  # not adaptive: unchanged
 
@@ -88,3 +96,76 @@ def test_parse_list_and_validation():
     with pytest.raises(ValidationError):
         builtin("recompute").topology(2, 2)
     assert stack_spec_for(builtin("recompute").topology(2, 1), "m").prefill == 2
+
+
+def _cm(p2p_setup: float = 0.05) -> CostModel:
+    return CostModel(kv_bytes_per_token=2048, prefill_a_s=0.01, prefill_b_s_per_token=2e-4,
+                     reads={"dp_read": LinkModel(setup_s=0.02, bytes_per_s=1e9),
+                            "p2p": LinkModel(setup_s=p2p_setup, bytes_per_s=1e9)})
+
+
+def test_tiered_adaptive_deploys_decode_leases():
+    s = builtin("tiered-adaptive")
+    assert s.leases and s.adaptive and s.device_retention and s.host_copy
+    assert s.kv_configs == ("nixl-bidirectional-lease", "kvtier-peer")
+    ch = children(s.kv_transfer_config())
+    assert list(ch) == ["KVTierNixlConnector", "KVTierConnector"]
+    lease = ch["KVTierNixlConnector"]["kv_connector_extra_config"]
+    # vLLM's TTL stays the upper bound; the NIXL knobs are set as for NixlConnector
+    assert lease["bidirectional_kv_xfer"] is True
+    assert lease["decoder_kv_blocks_ttl"] == 480
+    assert lease["kv_recompute_threshold"] == s.kv_recompute_threshold
+    assert lease["decode_lease_s"] == s.decode_lease_s and lease["lease_port_offset"] == 1001
+    # without a cost model the router renews while it keeps a turn (RouterConfig refuses
+    # retention: adaptive without one)
+    rs = s.router_settings()
+    assert rs["decode_lease_s"] == 30 and rs["host_copy"] is True
+    assert "retention" not in rs and "cost_model" not in rs
+    RouterConfig.model_validate({"decode": ["http://127.0.0.1:1"], **rs})
+    # the other strategies have no leases
+    assert not any(builtin(n).leases for n in STRATEGY_NAMES if n != "tiered-adaptive")
+    with pytest.raises(ValidationError):
+        StrategySpec(name="tiered", kv_configs=("nixl-unidirectional",),
+                     device_retention=False, leases=True)
+
+
+def test_with_cost_model_and_leases_sends_the_model_to_the_router():
+    cm = _cm()
+    s = builtin("tiered-adaptive")
+    a = s.with_cost_model(cm, [WaitSample(w, 2000) for w in (100.0, 200.0, 300.0)])
+    rec = cm.recommend()
+    assert (a.kv_recompute_threshold, a.min_cached_token_delta) == (
+        rec.kv_recompute_threshold, rec.min_cached_token_delta)
+    # the router decides online: waits do not remove device retention nor change the TTL
+    assert a.device_retention and a.dp_reuse and a.decode_ttl_s == s.decode_ttl_s
+    assert a.cost_model == cm and a.adaptive_retention
+    rs = a.router_settings()
+    assert rs["retention"] == "adaptive" and rs["host_copy"] is True
+    cfg = RouterConfig.model_validate({"decode": ["http://127.0.0.1:1"], **rs})
+    assert cfg.retention == "adaptive" and cfg.cost_model == cm and cfg.host_copy
+    assert cfg.decode_kv_ttl_s == 480 and cfg.decode_lease_s == 30
+    # a spec with its cost model survives the dump/validate round trip of reports and topology
+    assert StrategySpec.model_validate(a.model_dump()) == a
+    assert a.topology(1, 1).cost_model == cm
+    # without a host copy the hold is priced against recomputing
+    d = s.without_host_copy().with_cost_model(cm)
+    assert d.kv_configs == ("nixl-bidirectional-lease",) and not d.host_tier
+    assert not d.use_indexer and d.router_settings()["host_copy"] is False
+    assert d.kv_transfer_config()["kv_connector"] == "KVTierNixlConnector"
+    # a cost model without a dp_read link: nothing to hold for, the router renews
+    no_dp = CostModel(kv_bytes_per_token=2048, prefill_b_s_per_token=2e-4,
+                      reads={"p2p": LinkModel(setup_s=0.05, bytes_per_s=1e9)})
+    assert "retention" not in s.with_cost_model(no_dp).router_settings()
+
+
+def test_leases_scale_with_time_but_not_below_the_read_window():
+    s = builtin("tiered-adaptive")
+    half = s.scaled(0.5)
+    assert half.decode_ttl_s == 240 and half.decode_lease_s == 15
+    tiny = s.scaled(0.01)
+    assert tiny.decode_ttl_s == pytest.approx(4.8)
+    assert tiny.decode_lease_s == MIN_DECODE_LEASE_S >= 6
+    assert tiny.router_settings()["decode_lease_s"] == MIN_DECODE_LEASE_S
+    assert tiny.kv_transfer_config()["kv_connector_extra_config"]["connectors"][0][
+        "kv_connector_extra_config"]["decode_lease_s"] == MIN_DECODE_LEASE_S
+    assert s.scaled(1.0) == s

@@ -70,6 +70,18 @@ def test_adaptive_without_a_cost_model_is_fitted_from_the_runs_before_it():
     assert info["decode_ttl_s"] == adaptive.decode_ttl_s
 
 
+def test_adaptive_with_leases_hands_the_cost_model_to_its_router():
+    run_one, _ = runner({})
+    sw = sweep("device-ttl,tiered-adaptive", run_one)
+    adaptive = sw.ran[-1]
+    info = sw.adaptive["tiered-adaptive"]
+    # waits were observed, but with leases they do not fix a TTL: the router decides per turn
+    assert adaptive.leases and adaptive.device_retention and adaptive.decode_ttl_s == 480
+    assert adaptive.cost_model == COST and adaptive.router_settings()["retention"] == "adaptive"
+    assert info["leases"] and info["retention"] == "adaptive" and info["host_copy"]
+    assert "chosen online by the router" in info["ttl_choice"]
+
+
 def test_adaptive_first_with_nothing_measured_runs_unconfigured():
     run_one, calls = runner({})
     sw = sweep("tiered-adaptive", run_one, cost=None)

@@ -178,8 +178,9 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
     simulated = None
     try:
         fitted = fit_from_records(results, kvbpt, block_size)
+        # live vLLM fixes the TTL at start; with decode leases the router re-chooses online
         simulated = simulate_all(wall_trace, specs_as_run, fitted, prefill, decode, block_size,
-                                 online_ttl=False)  # live vLLM fixes the TTL at start
+                                 online_ttl=None)
         # Repeated live runs: compare every repeat with the (deterministic) simulation.
         reps = {r.strategy: int(r.meta.get("repeats", 1)) for r in results}
         simulated = [merge_repeats([s] * reps.get(s.strategy, 1)) for s in simulated]

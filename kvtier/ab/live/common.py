@@ -46,12 +46,17 @@ def prior_cost_model(kvbpt: int, block_size: int = 32) -> CostModel:
 
 
 def simulate_all(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill: int,
-                 decode: int, block_size: int, online_ttl: bool = True) -> list[RunResult]:
-    """Every strategy of ``specs`` on ``trace`` through the discrete-event simulator."""
+                 decode: int, block_size: int, online_ttl: bool | None = True
+                 ) -> list[RunResult]:
+    """Every strategy of ``specs`` on ``trace`` through the discrete-event simulator.
+    ``online_ttl=None``: as deployed live -- adaptive strategies with decode leases re-choose
+    their device hold online, the others keep the TTL they started with."""
     from kvtier.ab.simulator import FleetSpec, simulate
 
     fleet = FleetSpec(prefill=prefill, decode=decode, block_size=block_size)
-    return [simulate(trace, s.scaled(1.0), fleet, cost, online_ttl=online_ttl) for s in specs]
+    return [simulate(trace, s.scaled(1.0), fleet, cost,
+                     online_ttl=s.leases if online_ttl is None else online_ttl)
+            for s in specs]
 
 
 def quiet_http_logs() -> None:

@@ -18,7 +18,11 @@ nodes' own retention metrics, and the router's per-request log.
 - ``ServedLog`` / ``capture_served``: the router's ``served`` log line per request (INFO on
   logger ``kvtier.router``), kept by the client's ``x-request-id`` (its ``client_request_id``
   field, or ``request_id`` from a router that adopts the client's id), for the ``refusal`` field
-  (why retained device KV was not read).
+  (why retained device KV was not read) and, with decode leases, the hold the router chose for
+  the turn (``hold_s``, ``hold_basis``, ``hold_samples``; with ``retention: adaptive`` the
+  explanation from its ``hold`` line on ``kvtier.router.retention``): a ``ServedTurn``.
+- ``lease_endpoint``: a decode node's lease server (side channel + ``lease_port_offset``),
+  which the runner gives the router as the instance's ``lease``.
 
 Threading model: ``EngineProbe.start``/``finish`` and ``DecodeRetention.start``/``finish`` run
 on the runner's thread before the sampler thread starts and after it was joined; ``sample``
@@ -118,14 +122,15 @@ class EngineProbe:
         return out
 
 
-def lease_metrics_offset(kv_config: dict | None) -> int | None:
+def lease_port_offset(kv_config: dict | None) -> int | None:
     """The offset from the NIXL side-channel port at which a ``KVTierNixlConnector`` with
-    decode leases serves its metrics (lease port + 1), or None when the config has none."""
+    decode leases serves its lease endpoint (``lease_port_offset``), or None when the config
+    has none (no such connector, no ``decode_lease_s``, or a fixed ``lease_endpoint``)."""
     if not kv_config:
         return None
     extra = kv_config.get("kv_connector_extra_config") or {}
     for child in extra.get("connectors") or ():
-        off = lease_metrics_offset(child)
+        off = lease_port_offset(child)
         if off is not None:
             return off
     if kv_config.get("kv_connector") != "KVTierNixlConnector":
@@ -134,7 +139,22 @@ def lease_metrics_offset(kv_config: dict | None) -> int | None:
     if not (extra.get("decode_lease_s") or 0) > 0 or not isinstance(offset, int) \
             or extra.get("lease_endpoint"):
         return None
-    return offset + 1
+    return offset
+
+
+def lease_metrics_offset(kv_config: dict | None) -> int | None:
+    """The offset from the NIXL side-channel port at which a ``KVTierNixlConnector`` with
+    decode leases serves its metrics (lease port + 1), or None when the config has none."""
+    off = lease_port_offset(kv_config)
+    return None if off is None else off + 1
+
+
+def lease_endpoint(side_channel_port: int, kv_config: dict | None,
+                   host: str = "127.0.0.1") -> str | None:
+    """A decode node's lease server (``tcp://HOST:PORT``, the router's ``instances[].lease``),
+    or None when its config has no decode leases."""
+    off = lease_port_offset(kv_config)
+    return None if off is None else f"tcp://{host}:{side_channel_port + off}"
 
 
 def lease_metrics_urls(side_channel_ports: Sequence[int], kv_config: dict | None) -> list[str]:
@@ -180,12 +200,36 @@ class DecodeRetention:
         return self._sum(client, BLOCK_SECONDS) - self._start if self.active else math.nan
 
 
+@dataclass(frozen=True)
+class ServedTurn:
+    """What the router's log said about one request.
+
+    ``refusal``: why retained device KV was not read ("" when read or none). With decode
+    leases, the hold the router chose for the turn it retained: ``hold_s`` (None: the turn was
+    not retained under a lease; 0: released at once), ``hold_basis`` (renew, conversation,
+    fleet, default), ``hold_samples`` (waits the choice was made from) and, with ``retention:
+    adaptive``, ``hold_why`` (the policy's explanation, from its ``hold`` line)."""
+
+    refusal: str = ""
+    hold_s: float | None = None
+    hold_basis: str = ""
+    hold_samples: int = 0
+    hold_why: str = ""
+
+
+HOLD_LOGGER = "kvtier.router.retention"
+
+
 class ServedLog(logging.Handler):
-    """Keeps the ``refusal`` of each ``served`` record by ``client_request_id``."""
+    """Keeps each ``served`` record's reuse refusal and hold choice by ``client_request_id``
+    (``ServedTurn``); a ``hold`` record (logger ``kvtier.router.retention``) is attached to
+    the next ``served`` record of its conversation (one turn of a conversation at a time: the
+    hold is chosen while its turn is served)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self._by_rid: dict[str, str] = {}
+        self._by_rid: dict[str, ServedTurn] = {}
+        self._why: dict[str, str] = {}  # conversation -> the explanation of its latest hold
         self._guard = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -195,14 +239,41 @@ class ServedLog(logging.Handler):
             rid = getattr(record, "client_request_id", None) or getattr(record, "request_id",
                                                                           None)
             if isinstance(rid, str):
+                conv = str(getattr(record, "conversation_id", "") or "")
                 with self._guard:
-                    self._by_rid[rid] = str(getattr(record, "refusal", "") or "")
+                    why = self._why.pop(conv, "")
+                    self._by_rid[rid] = served_turn(record, why)
+        elif record.msg == "hold" and record.name == HOLD_LOGGER:
+            held = getattr(record, "conversation_id", None)
+            if held is not None:
+                with self._guard:
+                    self._why[str(held)] = str(getattr(record, "why", "") or "")
         elif record.levelno >= logging.WARNING:
             logging.getLogger().handle(record)  # what the runner's console would have shown
 
-    def take(self, rid: str) -> str:
+    def take_turn(self, rid: str) -> ServedTurn:
+        """The request's ``ServedTurn`` (an empty one when the router logged none)."""
         with self._guard:
-            return self._by_rid.pop(rid, "")
+            return self._by_rid.pop(rid, None) or ServedTurn()
+
+    def take(self, rid: str) -> str:
+        """The request's ``refusal`` only."""
+        return self.take_turn(rid).refusal
+
+
+def served_turn(record: logging.LogRecord, why: str = "") -> ServedTurn:
+    """A ``served`` record's fields as a ``ServedTurn`` (missing or malformed: defaults)."""
+    raw = getattr(record, "hold_s", None)
+    hold = (float(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool)
+            and math.isfinite(raw) else None)
+    samples = getattr(record, "hold_samples", 0)
+    return ServedTurn(
+        refusal=str(getattr(record, "refusal", "") or ""),
+        hold_s=hold,
+        hold_basis=str(getattr(record, "hold_basis", "") or ""),
+        hold_samples=samples if isinstance(samples, int) and not isinstance(samples, bool)
+        else 0,
+        hold_why=why if hold is not None else "")  # a hold line belongs to a retained turn
 
 
 @contextlib.contextmanager

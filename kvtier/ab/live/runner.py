@@ -44,6 +44,11 @@ How each number is measured (also written into the report, ``MEASUREMENT``):
 - ``meta["engine"]``: the engines' own queue time, inter-token latency, preemptions and
   running/waiting peaks (``kvtier.ab.live.probes.EngineProbe``); ``refusal``: the router's
   ``served`` log line for the turn (``kvtier.ab.live.probes.ServedLog``).
+- Decode leases (a strategy whose config has them, ``tiered-adaptive``): the router gets each
+  decode node's ``lease`` endpoint (``router_instances``) and the strategy's retention
+  settings (``StrategySpec.router_settings``: ``retention: adaptive`` with the cost model);
+  each turn's ``hold_s`` / ``hold_basis`` / ``hold_samples`` come from the router's ``served``
+  line and ``hold_why`` from its ``hold`` line.
 
 Threading model: ``run_strategy`` is called from one thread; it owns one
 thread per conversation, a sampler thread, and the router/indexer server
@@ -74,6 +79,7 @@ from kvtier.ab.live.probes import (
     Endpoint,
     ServedLog,
     capture_served,
+    lease_endpoint,
     lease_metrics_urls,
 )
 from kvtier.ab.live.scrape import scrape
@@ -122,6 +128,10 @@ MEASUREMENT = {
     "turns_per_min": "turns answered / the run's wall time (same offered load for every "
                      "strategy: the trace's start times and waits)",
     "refusal": "the router's served log line: why retained device KV was not read",
+    "hold_s / hold_basis": "decode leases: the router's served log line -- how long it chose to "
+                           "hold the turn's device KV (0: released at once) and on what basis "
+                           "(renew; adaptive: the conversation's own waits, the fleet's, or "
+                           "the default before any wait was seen)",
 }
 
 
@@ -342,8 +352,7 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         roles = {i.url: (i.spec.name, i.spec.role.value) for i in stack.instances}
         tap = LegTap(roles)
         rcfg = RouterConfig.model_validate({
-            "instances": [{"name": i.spec.name, "url": i.url, "role": i.spec.role.value}
-                          for i in stack.instances],
+            "instances": router_instances(stack),
             "indexer": idx_url, "indexer_model": model_name if idx_url else None,
             "port": 0, "log_json": False, "block_size": opts.block_size,
             # A slow prefill is the measurement, not a fault: no leg times out
@@ -355,6 +364,22 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         http = es.enter_context(httpx.Client(timeout=30))
         return _replay(spec, trace, opts, stack, srv.url, tap, idx_svc, http, model_name,
                        served)
+
+
+def router_instances(stack: LocalStack) -> list[dict[str, Any]]:
+    """The router's ``instances``: name, URL and role of each, and a decode node's ``lease``
+    endpoint when the stack's ``--kv-transfer-config`` has decode leases (side-channel port +
+    ``lease_port_offset``, ``kvtier.ab.live.probes.lease_endpoint``)."""
+    kv = stack.spec.kv_transfer_config
+    out: list[dict[str, Any]] = []
+    for i in stack.instances:
+        inst: dict[str, Any] = {"name": i.spec.name, "url": i.url, "role": i.spec.role.value}
+        if i.spec.role.value == "decode":
+            lease = lease_endpoint(i.spec.side_channel_port, kv)
+            if lease is not None:
+                inst["lease"] = lease
+        out.append(inst)
+    return out
 
 
 def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack, url: str,
@@ -436,7 +461,9 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                             tap.take(answered.get("rid") or rid), len(prompt), gen, reuse,
                             err, ledger, cid)
                 if served is not None:
-                    r.refusal = served.take(rid)
+                    st = served.take_turn(rid)
+                    r.refusal, r.hold_s, r.hold_basis = st.refusal, st.hold_s, st.hold_basis
+                    r.hold_samples, r.hold_why = st.hold_samples, st.hold_why
                 with rec_lock:
                     records.append(r)
                 bar.update(1)
@@ -470,6 +497,12 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         "engine_kv_usage": usage, "instances": [d["name"] for d in stack.describe()],
         "topology": f"{len(stack.prefill)}P{len(stack.decode)}D",
         "engine": probe.finish(http), "device_blocks_source": "ledger"}
+    if spec.leases:
+        rs = spec.router_settings()
+        meta["router_retention"] = {k: rs[k] for k in ("retention", "host_copy",
+                                                        "decode_lease_s", "decode_kv_ttl_s")
+                                    if k in rs}
+        meta["router_retention"].setdefault("retention", "renew")
     counted_s = own.finish(http)
     if math.isfinite(counted_s):
         meta.update(device_block_s_counted=counted_s,

@@ -4,7 +4,9 @@ A strategy that fails (its stack does not start, a turn errors out) is logged
 and recorded, and the sweep goes on with the next one, so one fault never
 loses the runs that finished; Ctrl-C stops the sweep and keeps what finished.
 ``tiered-adaptive`` is configured from the cost model (given, or fitted to the
-strategies that ran before it) and from the tool waits those runs observed.
+strategies that ran before it): its thresholds, and -- with decode leases -- the cost model
+its router decides each turn's device hold with; without leases, also its device TTL from
+the tool waits those runs observed.
 
 Threading model: runs on the caller's thread; each ``run_one`` owns its helpers.
 """
@@ -47,12 +49,19 @@ def configure_adaptive(s: StrategySpec, cost: CostModel | None, done: Sequence[R
     if c is None:
         return s, None
     waits = observed_waits([t for r in done for t in r.turns], time_scale)
-    choice = s.adaptive_ttl(c, waits) if waits and s.device_retention else None
+    choice = (s.adaptive_ttl(c, waits) if waits and s.device_retention and not s.leases
+              else None)
     s = s.with_cost_model(c, waits)
     info = {"kv_recompute_threshold": s.kv_recompute_threshold,
             "min_cached_token_delta": s.min_cached_token_delta,
             "device_retention": s.device_retention,
             "decode_ttl_s": s.decode_ttl_s, "recommendation": c.recommend().explanation}
+    if s.leases:
+        # the router chooses each turn's hold online; the TTL is only its upper bound
+        info.update(leases=True, retention="adaptive" if s.adaptive_retention else "renew",
+                    host_copy=s.host_copy, decode_lease_s=s.decode_lease_s,
+                    ttl_choice="device hold chosen online by the router per conversation and "
+                               "turn (decode leases; vLLM's TTL is the upper bound)")
     if choice is not None:
         info["ttl_choice"] = choice.explanation
     log.info("%s: from the cost model: kv_recompute_threshold=%d min_cached_token_delta=%d "
