@@ -129,8 +129,10 @@ class RouterConfig(BaseModel):
     retention: Literal["renew", "adaptive"] = "renew"
     host_copy: bool = False
     # adaptive: holding a turn this long costs as much as recomputing it (the price of device
-    # memory, kvtier.cost.retention); also the hold before any wait was observed.
+    # memory, kvtier.cost.retention); and the hold of a turn before any wait was observed
+    # (None: while the store keeps it, as vLLM's TTL would).
     hold_horizon_s: float = Field(60.0, gt=0)
+    hold_default_s: float | None = Field(None, ge=0)
     # A cost model (the JSON `kvtier calibrate --out` writes). With one, the router picks the
     # reuse path per turn by expected TTFT (kvtier.cost.decide, the decision the
     # CostAwareConnector and the simulator make) and hands the prefill only that path's

@@ -62,7 +62,9 @@ class Retention:
         if cfg.retention == "adaptive" and endpoints:
             assert cfg.cost_model is not None  # the config validates this
             self.policy = HoldPolicy(cfg.cost_model, host_copy=cfg.host_copy,
-                                     default_hold_s=min(cfg.hold_horizon_s, cfg.entry_ttl_s),
+                                     default_hold_s=min(cfg.hold_default_s
+                                                        if cfg.hold_default_s is not None
+                                                        else cfg.entry_ttl_s, cfg.entry_ttl_s),
                                      horizon_s=cfg.hold_horizon_s)
         # (pod, engine request id) of leases a renewal found gone.
         self._gone: OrderedDict[tuple[PodId, str], None] = OrderedDict()
