@@ -27,8 +27,6 @@ printed.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +35,9 @@ from typing import Any
 import pytest
 from kvtier.indexer.service import wait_until
 
+from tests.netns import REPO, Net, Proc, make_net
+
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 BS = 4
 HOSTS = ("pf", "dc", "ix", "rt")
 
@@ -130,107 +129,9 @@ elif role == "query":                  # argv[3]: base URL
 '''
 
 
-def _ip(*args: str) -> None:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
-
-
-class Net:
-    """Namespaces ``{tag}-{host}`` on one bridge (in ``{tag}-hub``), 10.R.S.i/24 each."""
-
-    def __init__(self, hosts: tuple[str, ...]) -> None:
-        self.tag = f"kvt{secrets.token_hex(3)}"
-        r = secrets.randbelow(50)
-        self.prefix = f"10.{200 + r}.{secrets.randbelow(250) + 1}"
-        self.made: list[str] = []
-        self.addr: dict[str, str] = {}
-        hub = self._ns("hub")
-        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", hub, "link", "set", "br0", "up")
-        for i, h in enumerate(hosts, 1):
-            ns = self._ns(h)
-            port = f"p{i}{self.tag}"[:15]
-            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port,
-                "netns", hub)
-            self.addr[h] = f"{self.prefix}.{i}"
-            _ip("-n", ns, "addr", "add", f"{self.addr[h]}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", hub, "link", "set", port, "master", "br0")
-            _ip("-n", hub, "link", "set", port, "up")
-
-    def _ns(self, h: str) -> str:
-        ns = f"{self.tag}-{h}"
-        _ip("netns", "add", ns)
-        self.made.append(ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        return ns
-
-    def ns(self, h: str) -> str:
-        return f"{self.tag}-{h}"
-
-    def default_route(self, h: str) -> None:
-        _ip("-n", self.ns(h), "route", "add", "default", "dev", "eth0")
-
-    def link(self, h: str, up: bool) -> None:
-        _ip("-n", self.ns(h), "link", "set", "eth0", "up" if up else "down")
-
-    def close(self) -> None:
-        for ns in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-class Proc:
-    """A process in a namespace speaking JSON lines (HELPER) or just running (a daemon)."""
-
-    def __init__(self, net: Net, host: str, argv: list[str], log: Path, lines: bool = True,
-                 env: dict[str, str] | None = None) -> None:
-        self.log = log
-        self._err = log.open("wb")
-        self.p = subprocess.Popen(["ip", "netns", "exec", net.ns(host), *argv], cwd=REPO,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE if lines
-                                  else self._err, stderr=self._err, text=True,
-                                  env={**os.environ, **(env or {})})
-        if lines:
-            assert self._read() == "ready", f"{argv[3:5]}: {log.read_text()}"
-
-    def _read(self) -> Any:
-        """The next JSON line (libraries such as NIXL also log to stdout: skipped)."""
-        assert self.p.stdout is not None
-        while True:
-            line = self.p.stdout.readline()
-            assert line, f"process ended: {self.log.read_text()}"
-            if line.startswith(('"', "{")):
-                return json.loads(line)
-
-    def ask(self, cmd: dict[str, Any]) -> Any:
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            if self.p.stdin:
-                self.p.stdin.close()
-            self.p.terminate()
-            try:
-                self.p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(timeout=5)
-        self._err.close()
-
-
 @pytest.fixture()
 def net():
-    try:
-        n = Net(HOSTS)
-    except RuntimeError as e:
-        if "netns add" in str(e):
-            print(f"SKIPPED: network namespaces refused here: {e}", flush=True)
-            pytest.skip(f"ip netns refused on this machine: {e}")
-        raise
+    n = make_net(HOSTS)
     try:
         yield n
     finally:
