@@ -89,6 +89,8 @@ E2E_MODULE_ORDER = (
     "test_multi_connector",       # 1P1D multi-nixl-kvtier
     "test_decode_leases",         # 1P1D nixl-bidirectional-lease
     "test_router_leases",         # 1P1D nixl-bidirectional-lease
+    "test_router_chat_p2p",       # host-p2p strategy stack ...
+    "test_ab_strategies",         # ... its first parameter (then one stack per strategy)
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -37,6 +38,18 @@ def metric(client: httpx.Client, url: str, name: str, **labels: str) -> float:
     return scrape.metric(client.get(f"{url}/metrics").text, name, labels)
 
 
-def reset_prefix_cache(client: httpx.Client, url: str) -> None:
-    r = client.post(f"{url}/reset_prefix_cache")
-    r.raise_for_status()
+def reset_prefix_cache(client: httpx.Client, url: str, retry_s: float = 0.0) -> bool:
+    """Reset ``url``'s prefix cache; True when vLLM did. vLLM refuses (``success: false``,
+    HTTP 200) while blocks are still held (a request finishing, a transfer in flight):
+    ``retry_s`` keeps asking that long."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        r = client.post(f"{url}/reset_prefix_cache")
+        r.raise_for_status()
+        try:
+            ok = bool(r.json().get("success", True))
+        except ValueError:
+            ok = True  # an older vLLM answered without a body
+        if ok or time.monotonic() >= deadline:
+            return ok
+        time.sleep(0.1)

@@ -127,10 +127,11 @@ def p_url(stack) -> str:
 def reference(http, stack, path: str, body: dict) -> dict:
     """Fresh single-instance answer on the prefill node (cache reset around it)."""
     url = p_url(stack)
-    reset_prefix_cache(http, url)
+    # a reset vLLM refused would leave the reference (the next turn's prompt) cached
+    assert reset_prefix_cache(http, url, retry_s=30), "prefill cache never reset"
     r = http.post(url + path, json={**body, "temperature": 0})
     r.raise_for_status()
-    reset_prefix_cache(http, url)
+    assert reset_prefix_cache(http, url, retry_s=30), "prefill cache never reset"
     return r.json()
 
 
