@@ -84,6 +84,7 @@ E2E_MODULE_ORDER = (
     "test_indexer_e2e",           # 1P1D nixl-bidirectional
     "test_router_responses",      # 1P1D nixl-bidirectional
     "test_router_pd",             # 1P1D nixl-bidirectional (kills instances last)
+    "test_router_prefill_kill",   # 1P1D nixl-bidirectional, restarted (kills both)
     "test_foundation_negative",   # 1P1D nixl-unidirectional
     "test_connector_tier",        # 2 instances kvtier-peer
     "test_multi_connector",       # 1P1D multi-nixl-kvtier
