@@ -180,27 +180,3 @@ class IndexerClient:
             pod = PodId(m.pod)
             out[pod] = max(out.get(pod, 0), m.matched_tokens)
         return out
-
-    async def source(self, model: str, token_ids: Sequence[int], target: PodId,
-                     min_delta: int, block_size: int) -> tuple[bool, RemoteKVSource | None]:
-        """(answered, source): a peer to pull from for ``target``, if worth it."""
-        body: dict[str, object] = {"model": model, "token_ids": list(token_ids),
-                                   "target_pod": target}
-        if min_delta:
-            body["min_cached_token_delta"] = min_delta
-        raw = await self._post("/v1/source", body)
-        if raw is None:
-            return False, None
-        try:
-            reply = _SourceReply.model_validate(raw)
-        except ValidationError:
-            return False, None
-        s = reply.source
-        if s is None or s.pod == target or s.matched_tokens <= 0:
-            return True, None
-        try:
-            return True, RemoteKVSource(pod=s.pod, host=s.p2p_host, port=s.p2p_port,
-                                        num_tokens=s.matched_tokens, model=model,
-                                        block_size=block_size)
-        except ValidationError:
-            return True, None

@@ -53,7 +53,6 @@ from kvtier.router.upstream import (
 )
 
 from kvtier.ids import PodId
-from kvtier.transfer_params import RemoteKVSource
 from kvtier.wire.reuse_headers import ReuseReport
 
 log = logging.getLogger("kvtier.router")
@@ -223,16 +222,6 @@ class Legs:
         self._fail(leg, inst, Failure.MIDSTREAM, detail)
 
     # ---- indexer ---------------------------------------------------------
-    async def lookup(self, model: str, ids: Sequence[int]) -> dict[PodId, int] | None:
-        """Cached prefix per pod; None without an indexer or when it is unavailable."""
-        if self.indexer is None:
-            return None
-        matched = await self.indexer.lookup(model, ids)
-        self.indexer_ok = matched is not None
-        if matched is None:
-            self.metrics.indexer_unavailable.labels("lookup").inc()
-        return matched
-
     async def route(self, model: str, ids: Sequence[int],
                     loads: dict[str, int] | None = None) -> Route | None:
         """Cached prefix per pod and the best peer source, from one indexer call; None
@@ -245,17 +234,6 @@ class Legs:
             self.metrics.indexer_unavailable.labels("route").inc()
         return found
 
-    async def source(self, model: str, ids: Sequence[int],
-                     target: PodId) -> RemoteKVSource | None:
-        """A peer host tier ``target`` should pull the prefix from, if any is worth it."""
-        if self.indexer is None:
-            return None
-        answered, source = await self.indexer.source(
-            model, ids, target, self.cfg.min_cached_token_delta, self.cfg.block_size)
-        self.indexer_ok = answered
-        if not answered:
-            self.metrics.indexer_unavailable.labels("source").inc()
-        return source
 
 
 _MAX_FIRST_EVENT = 1 << 20

@@ -144,13 +144,11 @@ class Retention:
 
     async def confirm(self, entry: RetainedKV, params: NixlParams) -> NixlParams | None:
         """``params`` with the lease's fresh deadline, after renewing it; None when the lease
-        is gone. A node that does not answer leaves ``params`` as they are (the prefill
-        still checks their deadline)."""
+        is gone (one already known gone is refused earlier, by ``gone``). A node that does
+        not answer leaves ``params`` as they are (the prefill still checks their deadline)."""
         pod, rid = entry.decode_pod, entry.params.remote_request_id
         if rid is None or not self.has(pod):
             return params
-        if (pod, rid) in self._gone:
-            return None
         lease_s = max(self.cfg.decode_lease_s, READ_WINDOW_S)
         reply = await self.keeper.call(pod, LeaseRequest(Op.RENEW, (rid,), lease_s))
         if reply is None or not reply.ok:

@@ -20,11 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from kvtier.indexer.service import wait_until
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
 
@@ -85,18 +86,9 @@ def turn(http: httpx.Client, stack, url: str, prompt: list[int], conv: str,
     return gen, r.headers["x-kvtier-reuse"], metric(http, p, EXT[0], **EXT[1]) - ext0
 
 
-def wait(cond: Callable[[], bool], within_s: float, step: float = 0.05) -> float | None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < within_s:
-        if cond():
-            return time.monotonic() - t0
-        time.sleep(step)
-    return None
-
-
 def idle(http: httpx.Client, stack) -> None:
     D = stack.decode[0].url
-    assert wait(lambda: metric(http, D, USAGE) == 0, 60, 0.2) is not None, \
+    assert wait_until(lambda: metric(http, D, USAGE) == 0, 60, 0.2), \
         "decode node still holds blocks from an earlier test"
 
 
@@ -110,9 +102,9 @@ def test_closing_a_conversation_frees_its_blocks_within_2s(http, stack):
         t0 = time.monotonic()
         resp = http.delete(r.url + "/v1/conversations/closing")
         assert resp.status_code == 200, resp.text
-        freed = wait(lambda: metric(http, D, USAGE) == 0, 10)
+        freed = wait_until(lambda: metric(http, D, USAGE) == 0, 10, 0.05)
         took = time.monotonic() - t0
-        assert freed is not None and took <= 2.0, f"blocks still held {took:.1f} s after close"
+        assert freed and took <= 2.0, f"blocks still held {took:.1f} s after close"
         assert metric(http, lease_metrics(stack), "kvtier_decode_leases_released_total",
                       reason="closed") >= 1
         # the next turn of that history: answered correctly, without the freed KV
@@ -147,18 +139,17 @@ def test_a_killed_router_frees_within_one_lease(http, stack, tmp_path):
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        up = wait(lambda: _healthy(http, url), 60, 0.2)
-        assert up is not None, "router did not start"
+        assert wait_until(lambda: _healthy(http, url), 60, 0.2), "router did not start"
         turn(http, stack, url, ids(7201, 300), "orphan")
         time.sleep(lease_s * 1.5)  # past the first lease: the router has been renewing
         assert metric(http, D, USAGE) > 0
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         t0 = time.monotonic()
-        freed = wait(lambda: metric(http, D, USAGE) == 0, 30, 0.1)
+        freed = wait_until(lambda: metric(http, D, USAGE) == 0, 30, 0.1)
         took = time.monotonic() - t0
         # within one lease of the last renewal (+1 s: the node frees at its next step)
-        assert freed is not None and took <= lease_s + 1.0, f"freed after {took:.1f} s"
+        assert freed and took <= lease_s + 1.0, f"freed after {took:.1f} s"
     finally:
         if proc.poll() is None:
             proc.kill()
