@@ -11,6 +11,7 @@ One of each, so the router, the indexer, the local stack and the A/B harness beh
   (a command that stops in order on Ctrl-C, say an A/B sweep that reports the strategies it
   finished, does the same on ``kill``). Installed from the main thread over the default
   action only: a program that handles SIGTERM itself (uvicorn in the main thread) keeps it.
+- ``listen`` / ``listen_on_free_port``: a bound socket, so a picked port stays ours.
 - ``ServerThread``: uvicorn running one ASGI app on its own event loop in a daemon thread,
   for tests, the demo and the A/B harness. This module runs an app; it knows nothing of
   what the app serves.
@@ -22,6 +23,7 @@ a ``ServerThread`` is started and stopped by one thread, its server runs in its 
 from __future__ import annotations
 
 import functools
+import logging
 import random
 import signal
 import socket
@@ -133,42 +135,118 @@ def _terminate(signum: int, _frame: object) -> None:
     raise Terminated(signum)
 
 
+def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening; ``port=0`` lets the OS pick.
+
+    Raises ``OSError`` when the port is taken. Binding up front is what makes a picked port
+    ours: uvicorn binds only after the app's startup, and a port chosen earlier can be taken
+    by then (one was, in a CI run, by a vLLM engine starting beside the router).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listen_on_free_port(host: str = "127.0.0.1", attempts: int = 8) -> socket.socket:
+    """``listen`` on a port from ``free_ports``, trying another if one is taken meanwhile."""
+    for _ in range(attempts - 1):
+        try:
+            return listen(host, free_ports(1)[0])
+        except OSError:
+            continue
+    return listen(host, free_ports(1)[0])
+
+
+class _ErrorLog(logging.Handler):
+    """Collects the ERROR records uvicorn logs from one thread (why it did not start)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.thread_id: int | None = None
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread_id:
+            # A traceback's last line names the error; the start of one is noise here.
+            text = self.format(record).strip()
+            self.lines.append(text.splitlines()[-1] if text else record.levelname)
+
+
 class ServerThread:
     """``with ServerThread(app, host) as srv: srv.url``: uvicorn in a daemon thread.
 
-    ``port=0`` picks a free port. ``start`` returns once uvicorn accepts connections and
-    raises if it died first; ``stop`` is idempotent.
+    ``port=0`` picks a free port; ``sock`` serves on a socket already bound (``listen``).
+    The port is bound when the object is made, so it cannot be taken before ``start``.
+    ``start`` returns once uvicorn accepts connections and raises, with the cause, if it
+    died first or did not come up in time; ``stop`` is idempotent.
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
-                 name: str = "kvtier-server") -> None:
+                 name: str = "kvtier-server", sock: socket.socket | None = None) -> None:
         import uvicorn  # only programs that serve pay for the import
 
+        self._sock = sock if sock is not None else listen(host, port)
         self.host = host
-        self.port = port or _os_ports(1)[0]
+        self.port: int = self._sock.getsockname()[1]
         self.app = app
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=self.port, log_level="warning", access_log=False,
             lifespan="on"))
-        self._thread = threading.Thread(target=self._server.run, name=name, daemon=True)
+        self._errors = _ErrorLog()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        self._errors.thread_id = threading.get_ident()
+        try:
+            self._server.run(sockets=[self._sock])
+        except BaseException as e:  # noqa: BLE001 - reported by start(); the thread ends
+            self._failure = e
+        finally:
+            self._sock.close()
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> ServerThread:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server {self._thread.name} did not start on {self.url}")
-            time.sleep(0.02)
+    def start(self, timeout_s: float = 60.0) -> ServerThread:
+        uv_log = logging.getLogger("uvicorn.error")
+        uv_log.addHandler(self._errors)
+        try:
+            self._thread.start()
+            deadline = time.monotonic() + timeout_s
+            while not self._server.started:
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"server {self._thread.name} did not start on "
+                                       f"{self.url}: {self._why()}")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"server {self._thread.name} did not start on "
+                                       f"{self.url} within {timeout_s:g} s: {self._why()}")
+                time.sleep(0.02)
+        finally:
+            uv_log.removeHandler(self._errors)
         return self
+
+    def _why(self) -> str:
+        said = "; ".join(self._errors.lines[-3:])
+        if self._failure is not None and not isinstance(self._failure, SystemExit):
+            said = f"{said}; {self._failure!r}" if said else repr(self._failure)
+        return said or "startup still running (nothing logged)"
 
     def stop(self) -> None:
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        elif self._thread.ident is None:  # never started: the bound socket is ours to close
+            self._sock.close()
 
     def __enter__(self) -> ServerThread:
         return self.start()

@@ -20,7 +20,7 @@ from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
 
-from kvtier.runtime import ServerThread, free_ports
+from kvtier.runtime import ServerThread, listen, listen_on_free_port
 
 # The CLI's default port: an in-process router is never meant to take it.
 _DEFAULT_PORT = 8000
@@ -29,14 +29,21 @@ _DEFAULT_PORT = 8000
 class RouterServer:
     def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None,
                  health_checks: bool = True) -> None:
-        port = config.port
-        if port in (0, _DEFAULT_PORT):
-            port = free_ports(1)[0]
-        # The app is built with the port it will really serve on.
+        # The port is bound before the app is built (which can take a while), so nothing
+        # else can take it meanwhile, and the app is built with the port it serves on.
+        if config.port in (0, _DEFAULT_PORT):
+            sock = listen_on_free_port(config.host)
+        else:
+            sock = listen(config.host, config.port)
+        port = sock.getsockname()[1]
         self.config = config.model_copy(update={"port": port})
-        self.app: FastAPI = create_app(self.config, transport=transport,
-                                       health_checks=health_checks)
-        self._thread = ServerThread(self.app, self.config.host, port, name="kvtier-router")
+        try:
+            self.app: FastAPI = create_app(self.config, transport=transport,
+                                           health_checks=health_checks)
+        except BaseException:
+            sock.close()
+            raise
+        self._thread = ServerThread(self.app, self.config.host, name="kvtier-router", sock=sock)
 
     @property
     def url(self) -> str:
@@ -47,7 +54,7 @@ class RouterServer:
         router: Router = self.app.state.router
         return router
 
-    def start(self, timeout_s: float = 30.0) -> Self:
+    def start(self, timeout_s: float = 60.0) -> Self:
         self._thread.start(timeout_s)
         return self
 
