@@ -10,7 +10,8 @@ A regime file is a trace whose header line carries the stack settings that put i
 pressure (`kvtier.ab.regimes.RegimeSettings`); `kvtier ab --trace FILE` applies them (a flag
 on the command line wins). Generation is deterministic (fixed seeds): `gen` rewrites the same
 bytes. Every trace uses vocabulary 4096 and stays under 3,000 tokens of context, so it runs on
-the tiny and the bench model alike; the regimes' pressure is in the settings:
+the tiny and the bench model alike (but for the GPU run's file, below); the regimes' pressure
+is in the settings:
 
 - **decode-scarce**: 8 conversations at once, short waits (median 3 s); the decode node has
   160 blocks of KV (5,120 tokens at block size 32: `--num-gpu-blocks-override` on decode
@@ -23,6 +24,9 @@ the tiny and the bench model alike; the regimes' pressure is in the settings:
   p10 0.8 s, median 13 s, p90 49 s, longest 136 s), so neither a fixed TTL nor "host only" is
   right for every conversation. Real seconds at time scale 1 (~3.5 min of trace); a CI-sized
   run uses `--time-scale 0.05`.
+- **gpu-h200-8b-short** (not a pressure regime): the short `kvtier ab` of the lent H200, two
+  vLLM instances on its one GPU, the 8B shape with dummy weights, contexts of 4k-12k tokens
+  (`benchmarks/gpu/device.sh` with `BENCH=ab`).
 
 Threading model: a single-threaded script.
 """
@@ -84,6 +88,25 @@ REGIMES: dict[str, tuple[SyntheticTraceConfig, RegimeSettings]] = {
             description="mixed waits: lognormal tool waits, median 6 s, sigma 1.8, cap 900 s "
                         "(seconds to minutes); use --time-scale 0.05 for a CI-sized run",
             max_model_len=4096, time_scale=1.0, slo_ttft_p90_s=5.0)),
+    # Not a pressure regime: the short GPU run of the H200 (benchmarks/gpu/device.sh BENCH=ab).
+    # Two instances share the one GPU (40% of its memory each), the Llama-3.1-8B shape with
+    # dummy weights (benchmarks/gpu/model), contexts of 4k-12k tokens.
+    "gpu-h200-8b-short": (
+        SyntheticTraceConfig(
+            name="gpu-h200-8b-short", conversations=4, turns=4,
+            first_prompt_tokens=LengthDist(mean=4096, spread=0.2),
+            tool_output_tokens=LengthDist(mean=1024, spread=0.4),
+            response_tokens=LengthDist(mean=64, spread=0.5),
+            wait=WaitDist(kind="lognormal", median_s=2.0, sigma=0.5, max_s=10.0),
+            concurrency=2, stagger_s=0.5, seed=21, max_context_tokens=12000),
+        RegimeSettings(
+            description="H200, one GPU, two vLLM instances (1P1D) sharing it: the 8B shape with "
+                        "dummy weights; the P->D move runs over the in-machine NIXL link "
+                        "(~0.5 GB/s VRAM->VRAM between processes) and is outside TTFT",
+            max_model_len=16384, host_mib=16384, decode_ttl_s=60.0, time_scale=1.0,
+            extra_args=("--load-format", "dummy", "--gpu-memory-utilization", "0.4",
+                        "--enforce-eager"),
+            slo_ttft_p90_s=2.0)),
 }
 
 

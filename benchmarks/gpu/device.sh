@@ -14,7 +14,8 @@
 # (BENCH=itl: itl_bench.sh instead, decode inter-token latency with and without stores;
 # BENCH=peer: bench_nixl.py (SKIP_NIXL=1: not) + peer_bench.sh, two instances with kvtier-peer, turn 2 on B pulled
 # from A's host tier; BENCH=multi: pd_bench.sh, MultiConnector(NixlConnector, KVTierConnector)
-# P/D and D->P; BENCH=none: no server; SKIP_TESTS=1 skips tests/gpu and bench_copy,
+# P/D and D->P; BENCH=ab: kvtier ab on the GPU stack (AB_STRATEGIES, default recompute,host-p2p;
+# AB_TRACE; AB_ARGS); BENCH=none: no server; SKIP_TESTS=1 skips tests/gpu and bench_copy,
 # SKIP_COPY=1 bench_copy only; SCATTER=1 runs bench_scatter.py, candidate fixes of the
 # scattered-block store, before the server step; BUDGET_S: the server step ends by T0 + it). NixlConnector and peer fetch need nixl: pack.sh's last folder
 # (nixl.tar.xz) is unpacked into /tmp/nixlsite when it was carried.
@@ -70,6 +71,18 @@ case "${BENCH:-serve}" in
         DEADLINE=$(( T0 + ${BUDGET_S:-540} )) bash benchmarks/gpu/peer_bench.sh "$O" "${LENGTHS:-2000,8000,16000,32000}" "${PROBE_REPS:-3}" ;;
   multi) echo "== t=$(( $(date +%s) - T0 )) pd_bench"
          DEADLINE=$(( T0 + ${BUDGET_S:-540} )) bash benchmarks/gpu/pd_bench.sh "$O" "${LENGTHS:-2000,8000,16000}" "${PROBE_REPS:-2}" ;;
+  ab) echo "== t=$(( $(date +%s) - T0 )) kvtier ab"
+      # The short A/B on the GPU stack: 1P1D, both instances on the one GPU (started one after
+      # the other), trace + settings from benchmarks/traces/gpu-h200-8b-short.jsonl. From a
+      # scratch folder: the checkout's kvtier/ (no connectors/) must not shadow /tmp/kvt.
+      export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+      LEFT=$(( T0 + ${BUDGET_S:-570} - $(date +%s) )); W=$(mktemp -d)
+      (cd "$W" && timeout -s TERM $(( LEFT > 30 ? LEFT : 30 )) python3 -m kvtier.cli ab \
+         --trace "$R/benchmarks/traces/${AB_TRACE:-gpu-h200-8b-short}.jsonl" \
+         --model "$R/benchmarks/gpu/model" --block-size 16 --no-progress \
+         --strategies "${AB_STRATEGIES:-recompute,host-p2p}" --out "$O/ab" ${AB_ARGS:-})
+      echo "== kvtier ab rc=$?"
+      for f in "$O"/ab/logs/*.log; do [ -f "$f" ] && { echo "--- $f"; grep -E "Error|error|Traceback|KV cache|ready" "$f" | tail -8; }; done ;;
   none) ;;
   *) echo "== t=$(( $(date +%s) - T0 )) serve_bench"
      bash benchmarks/gpu/serve_bench.sh "$O" "${LENGTHS:-3000,16000}" "${PROBE_REPS:-5}" ;;

@@ -139,6 +139,13 @@ class StackSpec(BaseModel):
     # "full": the spinners' nice level; None puts them at SCHED_IDLE (starves the READs a
     # busy instance is the target of: kvtier.devstack.placement's docstring has the numbers).
     spinner_nice: int | None = Field(SPINNER_NICE, ge=0, le=19)
+    # Start each instance once the one before it is ready. None: on CUDA only, where instances
+    # share a GPU and vLLM sizes its KV cache from the memory free while it profiles, so a
+    # neighbour allocating meanwhile leaves it "No available memory for the cache blocks".
+    one_at_a_time: bool | None = None
+
+    def starts_one_at_a_time(self) -> bool:
+        return self.one_at_a_time if self.one_at_a_time is not None else not is_cpu_platform()
 
     def instances(self) -> list[InstanceSpec]:
         total = self.prefill + self.decode

@@ -94,8 +94,11 @@ class LocalStack:
         atexit.register(self.stop)
         for attempt in range(1, attempts + 1):
             try:
+                one_by_one = self.spec.starts_one_at_a_time()
                 for ispec in self.spec.instances():
                     self.instances.append(self._spawn(ispec))
+                    if one_by_one:
+                        self._wait_ready()
                 self._wait_ready()
                 self._place()
                 return

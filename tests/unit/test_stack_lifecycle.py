@@ -158,3 +158,47 @@ def test_a_program_with_its_own_sigterm_handler_keeps_it(fake_server):
             assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+SLOW_SERVER = textwrap.dedent("""
+    import http.server, os, sys, time
+    with open(os.environ["FAKE_STARTS"], "a") as f:
+        f.write(f"{time.monotonic()}\\n")
+    time.sleep(1.5)  # profiling, graph capture...
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+
+
+@pytest.mark.parametrize("one_at_a_time", [True, False])
+def test_instances_start_one_at_a_time_when_asked(monkeypatch, tmp_path, one_at_a_time):
+    """On a shared GPU each vLLM sizes its KV cache from the memory free while it profiles:
+    the next instance starts once the one before it is ready."""
+    monkeypatch.setattr(spec_mod, "VLLM_SERVER_ARGV", [sys.executable, "-c", SLOW_SERVER])
+    monkeypatch.setenv("KVTIER_DEVICE", "cpu")
+    monkeypatch.setenv("FAKE_STARTS", str(tmp_path / "starts"))
+    spec = StackSpec(model="/m", prefill=1, decode=1, one_at_a_time=one_at_a_time,
+                     cpu_placement="off")
+    with LocalStack(spec, tmp_path / "logs", startup_timeout_s=60):
+        first, second = sorted(map(float, (tmp_path / "starts").read_text().split()))
+    if one_at_a_time:
+        assert second - first >= 1.5
+    else:
+        assert second - first < 1.5
+
+
+def test_one_at_a_time_is_the_default_on_cuda_only(monkeypatch):
+    spec_mod.is_cpu_platform.cache_clear()
+    try:
+        monkeypatch.setenv("KVTIER_DEVICE", "cuda")
+        assert StackSpec(model="/m").starts_one_at_a_time()
+        assert not StackSpec(model="/m", one_at_a_time=False).starts_one_at_a_time()
+        spec_mod.is_cpu_platform.cache_clear()
+        monkeypatch.setenv("KVTIER_DEVICE", "cpu")
+        assert not StackSpec(model="/m").starts_one_at_a_time()
+    finally:
+        spec_mod.is_cpu_platform.cache_clear()
