@@ -291,7 +291,8 @@ class Router(DecodeLeg):
                     decision, refusal = ReuseDecision(Outcome.EXPIRED, None, 0), Refusal.RELEASED
                 else:
                     decision = ReuseDecision(decision.outcome, confirmed, decision.reused_tokens)
-            reply, read = await self._pd_legs(inb, headers, tenant, conv, ids, decision, refusal)
+            reply, read = await self._pd_legs(inb, headers, tenant, conv, ids, decision, refusal,
+                                              len(entry.covered) if entry is not None else 0)
             return reply
         finally:
             if entry is not None:
@@ -299,9 +300,10 @@ class Router(DecodeLeg):
 
     async def _pd_legs(self, inb: Inbound, headers: dict[str, str], tenant: str,
                        conv: ConversationId | None, ids: tuple[int, ...] | None,
-                       decision: ReuseDecision, refusal: str | None,
+                       decision: ReuseDecision, refusal: str | None, prior_tokens: int = 0,
                        ) -> tuple[Reply, bool]:
-        """Prefill then decode; the reply, and whether the prefill read the retained KV."""
+        """Prefill then decode; the reply, and whether the prefill read the retained KV.
+        ``prior_tokens``: what the conversation's previous turn left (0: not a continuation)."""
         info: dict[str, Any] = {"reuse": decision.outcome.value}
         if conv is not None:
             info["session"] = conv
@@ -314,6 +316,8 @@ class Router(DecodeLeg):
         route = (await self.legs.route(model_ns, ids, self.pool.loads())
                  if ids is not None else None)
         matched = route.matched if route is not None else None
+        if route is not None and prior_tokens and conv is not None:
+            self.retention.host_seen(str(conv), route.host_tokens, prior_tokens)
         reuse = decision.params
         run = Attempts(self.retry.prefill)
         pre: dict[str, Any] | None = None

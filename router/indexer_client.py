@@ -71,6 +71,8 @@ class Route:
 
     matched: dict[PodId, int]
     best: Source | None
+    # the longest prefix any host tier (CPU) holds, on any pod: whether a host copy survives
+    host_tokens: int = 0
 
     def source_for(self, target: PodId, min_delta: int, model: str, block_size: int,
                    ) -> RemoteKVSource | None:
@@ -116,10 +118,13 @@ class IndexerClient:
                 except (msgspec.ValidationError, msgspec.DecodeError):
                     return None
                 matched: dict[PodId, int] = {}
+                host = 0
                 for m in reply.matches:
                     pod = PodId(m.pod)
                     matched[pod] = max(matched.get(pod, 0), m.matched_tokens)
-                return Route(matched, reply.source)
+                    if m.tier == "CPU":
+                        host = max(host, m.matched_tokens)
+                return Route(matched, reply.source, host)
             self.route_supported = False
             log.warning("indexer %s has no /v1/route: asking /v1/lookup and /v1/source", self.url)
         found = await self.lookup(model, token_ids)
@@ -134,7 +139,8 @@ class IndexerClient:
                 s = None
             if s is not None:
                 best = Source(s.pod, "CPU", s.matched_tokens, s.p2p_host, s.p2p_port)
-        return Route(found, best)
+        # lookup's answer here is per pod, tiers merged: the best peer is the host copy seen
+        return Route(found, best, best.matched_tokens if best is not None else 0)
 
     async def _post_raw(self, path: str, body: bytes) -> bytes | object | None:
         """The answer's bytes; ``_UNSUPPORTED`` for an unknown path; None when unavailable."""

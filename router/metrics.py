@@ -105,3 +105,7 @@ class RouterMetrics:
         self.hold_seconds = Histogram(p + "hold_seconds", "How long each retained turn is held "
                                       "on its decode device (0: released at once)",
                                       buckets=(0, 1, 5, 15, 30, 60, 120, 300, 600), registry=r)
+        self.host_copy_checks = Counter(p + "host_copy_checks", "Continuation turns of adaptive "
+                                        "retention by whether a host tier still held the turn "
+                                        "before (held, gone): the host copy's survival rate",
+                                        ["result"], registry=r)

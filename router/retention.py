@@ -8,7 +8,8 @@ long as somebody renews their lease. ``Retention`` is the flow's one handle on t
   the node grants that lease whatever its own default;
 - ``retained`` starts holding a turn the store kept: with ``retention: renew`` for as long as
   the store keeps the entry, with ``retention: adaptive`` for what ``HoldPolicy`` chose from the
-  cost model and the waits observed so far (0 s: released at once, the host copy or a
+  cost model, the waits observed so far and how often host copies survived (``host_seen``,
+  from the indexer at each continuation turn) (0 s: released at once, the host copy or a
   recompute serves the next turn). The choice and its inputs go to the log and the metrics;
 - ``confirm`` renews a taken turn's lease right before its params are offered to a prefill
   (one round trip; for at least ``READ_WINDOW_S``: a prefill declines a read within 5 s of
@@ -38,7 +39,7 @@ from kvtier.router.leases import LeaseKeeper
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.store import RetainedKV
 
-from kvtier.cost.hold import HoldChoice, HoldPolicy
+from kvtier.cost.hold import HOST_HELD_FRACTION, HoldChoice, HoldPolicy
 from kvtier.ids import PodId
 from kvtier.transfer_params import NixlParams
 from kvtier.wire.leases import PARAM_KEY, LeaseRequest, Op, ReleaseReason
@@ -115,6 +116,8 @@ class Retention:
         self.metrics.hold_seconds.observe(hold)
         fields = {"hold_s": round(hold, 1), "hold_basis": choice.basis,
                   "hold_samples": choice.samples}
+        if self.policy is not None and self.policy.host_copy:
+            fields["host_odds"] = round(choice.host_odds, 2)
         if self.policy is not None:
             log.info("hold", extra={"conversation_id": str(entry.conversation), "pod": pod,
                                     **fields, "why": choice.explanation})
@@ -136,6 +139,16 @@ class Retention:
         last = self._last.pop((tenant, conversation), None)
         if last is not None and self.policy is not None:
             self.policy.observe(conversation, time.monotonic() - last[0], last[1])
+
+    def host_seen(self, conversation: str, host_tokens: int, prior_tokens: int) -> None:
+        """At a continuation turn: the indexer says a host tier holds ``host_tokens`` of this
+        prompt, of the ``prior_tokens`` the turn before left. Feeds the adaptive policy's
+        estimate of whether host copies survive (module docstring of kvtier.cost.hold)."""
+        if self.policy is None or not self.policy.host_copy or prior_tokens <= 0:
+            return
+        held = host_tokens >= HOST_HELD_FRACTION * prior_tokens
+        self.policy.observe_host(conversation, held)
+        self.metrics.host_copy_checks.labels("held" if held else "gone").inc()
 
     def gone(self, entry: RetainedKV) -> bool:
         """The lease of ``entry`` is known to be gone (released or expired)."""

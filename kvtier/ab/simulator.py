@@ -67,7 +67,7 @@ from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnReco
 from kvtier.ab.strategies import StrategySpec, builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
 from kvtier.cost.decide import Offer, decide
-from kvtier.cost.hold import HoldPolicy
+from kvtier.cost.hold import HOST_HELD_FRACTION, HoldPolicy
 from kvtier.cost.model import CostModel
 from kvtier.cost.retention import WaitSample, choose_device_ttl
 from kvtier.cost.reuse import align_down
@@ -356,6 +356,10 @@ class _Sim:
             ret = None  # expiry event not yet applied at this exact time
         held_dev = ret.tokens if (ret is not None and self.p.dp_read) else 0
         held_host = host.lookup(conv) if self.p.p2p else 0
+        if self.hold is not None and self.hold.host_copy and turn > 0:
+            # as the router does from the indexer: did a host tier keep the turn before?
+            prior = self.plans[conv][turn - 1].context_after
+            self.hold.observe_host(str(conv), held_host >= HOST_HELD_FRACTION * prior)
         offers = [Offer(ReusePath.DP_READ, max(0, align_down(min(held_dev, proven), self.bs) - local)),
                   Offer(ReusePath.P2P, max(0, align_down(min(held_host, proven), self.bs) - local))]
         path, n = self.choose(prompt, local, offers)
@@ -531,11 +535,15 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
     """Replay ``trace`` under ``strategy`` on ``fleet`` with ``cost``; records like a live run.
 
     ``strategy`` is a `StrategySpec` or a built-in name (`kvtier.ab.strategies.builtin`).
-    The spec's own prefill/decode counts are ignored: the fleet is ``fleet``.
+    The spec's own prefill/decode counts are ignored: the fleet is ``fleet``; its host tier
+    size is the spec's ``host_bytes`` where set.
     ``online_ttl``: adaptive strategies re-choose their device TTL as waits arrive; False
     keeps the spec's TTL fixed, as a live vLLM stack does (for comparing with a live run).
     """
     spec = builtin(strategy) if isinstance(strategy, str) else strategy
+    if spec.host_bytes is not None:
+        # the strategy's own host tier size (``kvtier ab --host-mib``, a regime's host_fraction)
+        fleet = fleet.model_copy(update={"host_bytes_per_pod": spec.host_bytes})
     policy = _Policy.of(spec, online_ttl)
     needed = (["dp_read"] if policy.dp_read else []) + (["p2p"] if policy.p2p else [])
     missing = [p for p in needed if p not in cost.reads]

@@ -14,6 +14,16 @@ same expected-gain-minus-holding-price rule the offline sweep uses):
 A choice of "do not retain" holds for 0 s (release at once). Every choice carries its inputs
 (``HoldChoice``) for the router's log line and metrics.
 
+Where the strategy keeps host copies, the policy does not take their survival for granted: a
+host tier smaller than the working set evicts copies before their turn comes back. At every
+continuation turn the caller reports whether a host tier still held the previous turn
+(``observe_host``: the indexer's answer in the router, the host tiers' LRU in the simulator).
+The chance that a host copy serves the next turn is then the conversation's own rate (after
+``min_host_samples`` reports), else the fleet's recent rate, else 1; it weighs the fallback
+(host read or recompute) that a device hold is measured against. So with ample host memory
+turns are released to it, and where it is scarce the conversations whose copies do not
+survive are held on the device (those whose waits are short enough to pay for it).
+
 Threading model: not thread-safe; one router event loop owns an instance.
 """
 
@@ -26,6 +36,11 @@ from kvtier.cost.model import CostModel
 from kvtier.cost.retention import MAX_TTL_S, WaitSample, choose_device_ttl
 
 
+# A host copy "held" the previous turn when a host tier still has at least this share of its
+# tokens (the router asks the indexer; the simulator its host tiers).
+HOST_HELD_FRACTION = 0.5
+
+
 @dataclass(frozen=True)
 class HoldChoice:
     hold_s: float         # renew the lease for this long after the turn, then release it
@@ -33,12 +48,13 @@ class HoldChoice:
     samples: int          # waits the choice was made from
     covers_wait_s: float  # the longest wait the hold is meant to cover (0: none)
     explanation: str
+    host_odds: float = 0.0  # the chance the choice assumed that a host copy serves the next turn
 
 
 class HoldPolicy:
     def __init__(self, cost: CostModel, *, host_copy: bool, default_hold_s: float = MAX_TTL_S,
                  min_samples: int = 3, window: int = 512, max_conversations: int = 100_000,
-                 horizon_s: float | None = None) -> None:
+                 horizon_s: float | None = None, min_host_samples: int = 2) -> None:
         if "dp_read" not in cost.reads:
             raise ValueError("the cost model has no dp_read link: nothing to hold for")
         if min_samples < 1 or window < 1:
@@ -46,9 +62,13 @@ class HoldPolicy:
         self.cost, self.host_copy = cost, host_copy
         self.default_hold_s, self.min_samples = default_hold_s, min_samples
         self.horizon_s = horizon_s
+        self.min_host_samples = max(1, min_host_samples)
         self._fleet: deque[WaitSample] = deque(maxlen=window)
         self._conv: dict[str, deque[WaitSample]] = {}
         self._max_conv = max_conversations
+        # did a host tier still hold the previous turn? (fleet / per conversation)
+        self._fleet_host: deque[bool] = deque(maxlen=window)
+        self._conv_host: dict[str, deque[bool]] = {}
 
     def observe(self, conversation: str, wait_s: float, tokens: int) -> None:
         """The conversation's next turn came ``wait_s`` after a turn that left ``tokens``."""
@@ -61,6 +81,30 @@ class HoldPolicy:
             q = self._conv[conversation] = deque(maxlen=32)
         q.append(s)
 
+    def observe_host(self, conversation: str, held: bool) -> None:
+        """At a continuation turn of ``conversation``: whether a host tier still held (most
+        of) the turn before it."""
+        if not self.host_copy:
+            return
+        self._fleet_host.append(held)
+        q = self._conv_host.get(conversation)
+        if q is None:
+            if len(self._conv_host) >= self._max_conv:
+                self._conv_host.pop(next(iter(self._conv_host)))
+            q = self._conv_host[conversation] = deque(maxlen=8)
+        q.append(held)
+
+    def host_odds(self, conversation: str) -> float:
+        """The chance that a host copy serves ``conversation``'s next turn (module docstring)."""
+        if not self.host_copy:
+            return 0.0
+        own = self._conv_host.get(conversation)
+        if own is not None and len(own) >= self.min_host_samples:
+            return sum(own) / len(own)
+        if self._fleet_host:
+            return sum(self._fleet_host) / len(self._fleet_host)
+        return 1.0
+
     def choose(self, conversation: str) -> HoldChoice:
         own = self._conv.get(conversation)
         if own is not None and len(own) >= self.min_samples:
@@ -71,7 +115,8 @@ class HoldPolicy:
             return HoldChoice(self.default_hold_s, "default", 0, 0.0,
                               f"no waits observed yet: hold {self.default_hold_s:g} s")
         kw = {"horizon_s": self.horizon_s} if self.horizon_s else {}
-        c = choose_device_ttl(self.cost, waits, host_copy=self.host_copy, **kw)
+        odds = self.host_odds(conversation)
+        c = choose_device_ttl(self.cost, waits, host_copy=odds, **kw)
         hold = c.ttl_s if c.retain else 0.0
         return HoldChoice(hold, basis, c.samples, c.covers_wait_s if c.retain else 0.0,
-                          c.explanation)
+                          c.explanation, odds)

@@ -12,7 +12,9 @@ For one retained turn with ``n`` reusable tokens whose next turn comes after ``w
 - **gain** if ``w <= T`` (the device copy is still there): ``alt(n) - dp_read(n)``, where
   ``alt`` is the next best path once the device copy is gone: a peer host-tier read when the
   strategy keeps host copies (and that read beats recomputing), else recomputing the ``n``
-  tokens (``b·n + c·n²/2``, the cost model's break-even term);
+  tokens (``b·n + c·n²/2``, the cost model's break-even term). Where host copies are evicted
+  before their turn comes back (a small host tier), ``host_copy`` is the observed chance that
+  one survives and ``alt`` the mix of the two;
 - **price** of holding: ``recompute(n) · min(w, T) / horizon_s``. ``horizon_s`` is the one
   knob: without a cheaper fallback, holding a turn's blocks for ``horizon_s`` seconds costs as
   much as recomputing them. It makes the price scale with the model and hardware (a block that
@@ -70,15 +72,27 @@ def recompute_s(cost: CostModel, n: int) -> float:
     return cost.prefill_b_s_per_token * n + cost.prefill_c_s_per_token_ctx * n * n / 2
 
 
-def fallback_s(cost: CostModel, n: int, host_copy: bool) -> float:
-    """What the ``n`` tokens cost once the device copy is gone."""
+def host_odds(host_copy: bool | float) -> float:
+    """``host_copy`` as the chance that a host copy still serves the next turn: True is 1,
+    False 0, a float (an observed rate, ``HoldPolicy``) itself, clipped to [0, 1]."""
+    p = float(host_copy)
+    if not math.isfinite(p):
+        raise ValueError(f"host_copy must be a bool or a probability, got {host_copy!r}")
+    return min(1.0, max(0.0, p))
+
+
+def fallback_s(cost: CostModel, n: int, host_copy: bool | float) -> float:
+    """What the ``n`` tokens cost once the device copy is gone: a peer host-tier read where
+    the host copy is there (``host_copy``: whether it is, or the chance that it still is)
+    and that read beats recomputing, else recomputing them."""
     rc = recompute_s(cost, n)
-    if host_copy and "p2p" in cost.reads:
-        return min(rc, cost.read_s("p2p", n))
+    p = host_odds(host_copy)
+    if p > 0 and "p2p" in cost.reads:
+        return p * min(rc, cost.read_s("p2p", n)) + (1 - p) * rc
     return rc
 
 
-def choose_device_ttl(cost: CostModel, waits: Sequence[WaitSample], *, host_copy: bool,
+def choose_device_ttl(cost: CostModel, waits: Sequence[WaitSample], *, host_copy: bool | float,
                       horizon_s: float = DEFAULT_HORIZON_S, min_ttl_s: float = MIN_TTL_S,
                       max_ttl_s: float = MAX_TTL_S) -> TtlChoice:
     """The device TTL that maximizes expected gain minus holding price (module docstring)."""
@@ -117,7 +131,10 @@ def choose_device_ttl(cost: CostModel, waits: Sequence[WaitSample], *, host_copy
     covered = sum(1 for w, _ in obs if w <= best_t) / n_obs
     ttl = min(max_ttl_s, best_t * (1 + TTL_SLACK))
     retain = best_j > 0
-    alt = "a peer host-tier read" if host_copy and "p2p" in cost.reads else "recomputing"
+    p_host = host_odds(host_copy) if "p2p" in cost.reads else 0.0
+    alt = ("a peer host-tier read" if p_host == 1 else "recomputing" if p_host == 0 else
+           f"a host-tier read where the host copy survives ({p_host:.0%} of turns), else "
+           f"recomputing")
     mean_gain = sum(gain) / len(gain)
     expl = (f"{len(obs)} waits observed; once the device copy is gone the fallback is {alt}; "
             f"a device read saves {mean_gain * 1e3:.3g} ms per turn on average; holding a turn for "

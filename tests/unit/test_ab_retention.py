@@ -174,3 +174,38 @@ def test_simulator_online_ttl_cuts_device_memory_with_a_host_copy():
     assert leased.reuse_rate() >= 0.95 * fixed.reuse_rate()
     assert simulate(tr, builtin("tiered-adaptive"), fleet, cost,
                     online_ttl=False).hold_choices() == {}  # frozen: vLLM's TTL only
+
+
+def test_fallback_weighs_the_chance_that_the_host_copy_survives() -> None:
+    cost = _cost()
+    n = 2000
+    host, rc = fallback_s(cost, n, True), fallback_s(cost, n, False)
+    assert host < rc
+    assert fallback_s(cost, n, 0.25) == pytest.approx(0.25 * host + 0.75 * rc)
+    assert fallback_s(cost, n, 1.0) == host and fallback_s(cost, n, 0.0) == rc
+    with pytest.raises(ValueError):
+        fallback_s(cost, n, float("nan"))
+
+
+def test_simulated_tiered_adaptive_holds_where_the_host_tier_evicts() -> None:
+    """Same trace, same fast host read; only the host tier's size differs. With room for every
+    conversation the leased policy releases each turn to the host copy; with a host tier that
+    holds none of them it sees the copies gone and holds turns on the device instead, and
+    reuses far more than host-p2p does there."""
+    convs = [ConversationSpec(ConversationId(f"c{c}"), c * 0.5, 100 + c,
+                              [TurnSpec(1000, 50, 0.0)] + [TurnSpec(300, 50, 3.0)] * 7)
+             for c in range(4)]
+    tr = Trace("waits", 4096, convs)
+    cost = _cost(p2p_bw=4e9, p2p_setup=0.004)
+    ample = FleetSpec(prefill=1, decode=1, device_blocks_per_decode=100_000,
+                      host_bytes_per_pod=1 << 34, block_size=BS)
+    scarce = ample.model_copy(update={"host_bytes_per_pod": 100_000})  # < one conversation
+    roomy = simulate(tr, builtin("tiered-adaptive"), ample, cost)
+    tight = simulate(tr, builtin("tiered-adaptive"), scarce, cost)
+    host_only = simulate(tr, builtin("host-p2p"), scarce, cost)
+    assert all(c["released"] >= 6 for c in roomy.hold_choices().values())
+    assert all(c["held"] >= 6 for c in tight.hold_choices().values())
+    assert host_only.reuse_rate() < 0.1 < 0.8 < tight.reuse_rate()
+    # the strategy's own host size (kvtier ab --host-mib) overrides the fleet's
+    sized = simulate(tr, builtin("host-p2p").with_host_bytes(100_000), ample, cost)
+    assert sized.reuse_rate() == host_only.reuse_rate()

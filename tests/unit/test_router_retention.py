@@ -21,7 +21,7 @@ from kvtier.router.flow import Router
 from kvtier.cost.config import resolve_config_path
 from kvtier.leases import LeaseServer, LeaseTable
 from kvtier.wire.leases import PARAM_KEY
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
+from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, IDX_URL, P_URL, FakeEngines
 
 PROMPT = list(range(1, 11))
 RID = "D-req"
@@ -163,6 +163,33 @@ def test_adaptive_releases_a_conversation_whose_waits_are_long(node) -> None:
         m = c.get("/metrics").text
         assert 'kvtier_router_hold_choices_total{action="release",basis="conversation"} 1.0' in m
         assert 'kvtier_router_hold_choices_total{action="hold",basis="conversation"} 1.0' in m
+
+
+def test_adaptive_holds_the_conversations_whose_host_copies_are_evicted(node) -> None:
+    """Host reads cost what device reads do (cost-tiny), so a turn whose host copy survives is
+    released to it; the indexer says one conversation's host copies are gone at every next
+    turn (a host tier too small for the working set): that one is held on the device."""
+    _, server = node
+    cost = str(resolve_config_path("cost-tiny.json"))
+    host_has_it = [{"pod": "prefill-0", "tier": "CPU", "matched_tokens": 4096}]
+    for c, fake, router in make(server.endpoint, retention="adaptive", cost_model=cost,
+                                host_copy=True, indexer=IDX_URL, implicit_sessions=False):
+        policy = router.retention.policy
+        assert policy is not None
+        for conv in ("evicted", "kept"):
+            for _ in range(5):
+                policy.observe(conv, 1.0, 2000)
+        for turn in range(3):
+            for conv, lookup, first in (("evicted", [], 100), ("kept", host_has_it, 200)):
+                fake.lookup = lookup
+                prompt = [first, *PROMPT, turn]
+                assert complete(c, prompt, conv=conv).status_code == 200
+        assert (policy.host_odds("evicted"), policy.host_odds("kept")) == (0.0, 1.0)
+        m = c.get("/metrics").text
+        assert 'kvtier_router_host_copy_checks_total{result="gone"} 2.0' in m
+        assert 'kvtier_router_host_copy_checks_total{result="held"} 2.0' in m
+        evicted, kept = policy.choose("evicted"), policy.choose("kept")
+        assert evicted.hold_s > 0 and kept.hold_s == 0.0
 
 
 def test_adaptive_needs_a_cost_model_with_a_dp_read_link() -> None:
