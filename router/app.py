@@ -40,7 +40,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -104,7 +104,10 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
     log_requests = config.log_requests
     engine_key = config.engine_api_key
 
-    async def serve(request: Request, endpoint: Endpoint) -> Response:
+    async def serve(request: Request, endpoint: Endpoint, raw: Any = _UNREAD,
+                    after: Callable[[Reply], None] | None = None) -> Response:
+        """One request through the P/D flow. ``raw``: its body, when the caller has already
+        read and decoded it; ``after``: told of the reply before it is sent."""
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex[:24]
         m = router.metrics
@@ -113,11 +116,12 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             m.requests.labels(endpoint.value, "401").inc()
             return error(401, "missing or invalid bearer token", "authentication_error")
         try:
-            raw_bytes = await _read_body(request, config.max_body_bytes)
-            try:
-                raw = json.loads(raw_bytes)
-            except (ValueError, RecursionError):
-                raise BadRequest("request body is not valid JSON") from None
+            if raw is _UNREAD:
+                raw_bytes = await _read_body(request, config.max_body_bytes)
+                try:
+                    raw = json.loads(raw_bytes)
+                except (ValueError, RecursionError):
+                    raise BadRequest("request body is not valid JSON") from None
             headers = {k.lower(): v for k, v in request.headers.items()}
             inb = parse_inbound(endpoint, raw, headers)
         except BadRequest as e:
@@ -162,6 +166,8 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             if client_rid:
                 fields["client_request_id"] = client_rid[:128]
         out_headers = {**_reuse_headers(reply.reuse), "x-request-id": rid}
+        if after is not None:
+            after(reply)
         if reply.stream is None:
             gone.close()
             dt = time.perf_counter() - t0
@@ -202,7 +208,7 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
     app.router.routes.append(Route("/v1/conversations/{conversation_id:path}",
                                    close_conversation, methods=["DELETE"]))
 
-    add_responses_routes(app, router, authorize, error, _read_body)
+    add_responses_routes(app, router, authorize, error, _read_body, serve)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -253,6 +259,9 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
                         media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+_UNREAD = object()  # serve(): the body is still to be read
 
 
 def _reuse_headers(reuse: ReuseReport | None) -> dict[str, str]:

@@ -22,7 +22,7 @@ from kvtier.router.feed import ParamsFeed
 from kvtier.router.legs import Legs, StreamBroken, UpstreamError
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import InstancePool, InstanceState
-from kvtier.router.reply import Reply, aiter_of, clean_response
+from kvtier.router.reply import Reply, aiter_of, clean_response, raw_message_tokens
 from kvtier.router.requests import Endpoint, Inbound, decode_body
 from kvtier.router.retention import Retention
 from kvtier.router.retry import Attempts, RetryPolicies
@@ -117,8 +117,11 @@ class DecodeLeg:
                 raise
             if capture and conv is not None and ids is not None:
                 params_of = KVTransferParams.from_wire(resp.get("kv_transfer_params"))
-                choices = resp.get("choices") or []
-                gen = choices[0].get("token_ids") if choices else None
+                if inb.endpoint is Endpoint.RESPONSES:
+                    gen = raw_message_tokens(resp.get("output_messages"))
+                else:
+                    choices = resp.get("choices") or []
+                    gen = choices[0].get("token_ids") if choices else None
                 if params_of is not None and isinstance(gen, list):
                     info.update(await self._retain(conv, tenant, d, params_of, [*ids, *gen],
                                                    len(ids)))

@@ -70,7 +70,7 @@ from kvtier.router.legs import EngineClientError, Legs, UpstreamError
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.plan import plan as _plan
 from kvtier.router.pool import InstancePool, InstanceState
-from kvtier.router.reply import Refusal, Reply, clean_response, tenant_of
+from kvtier.router.reply import Refusal, Reply, clean_response, raw_message_tokens, tenant_of
 from kvtier.router.requests import (
     Endpoint,
     Inbound,
@@ -336,7 +336,7 @@ class Router(DecodeLeg):
                 info["refusal"] = Refusal.BELOW_THRESHOLD  # another path (or none) was cheaper
             kvp = KVTransferParams.prefill_request(reuse=reuse, source=source).to_wire()
             body = prefill_body(inb, kvp, ids)
-            if conv is not None and ids is None:
+            if conv is not None and ids is None and inb.endpoint is not Endpoint.RESPONSES:
                 body["return_token_ids"] = True  # learn the prompt ids for the next turn
             try:
                 pre = await self.legs.post_json(p_inst, "prefill", inb.endpoint.path, body,
@@ -357,6 +357,21 @@ class Router(DecodeLeg):
                     self._drop_reuse("rejected", reuse)
                     reuse = None
                 continue
+            if inb.endpoint is Endpoint.RESPONSES:
+                seen = _prompt_ids_of(inb.endpoint, pre)
+                if reuse is not None and (seen is None or ids is None
+                                          or seen[:tokens] != ids[:tokens]):
+                    # vLLM rendered this input otherwise than /tokenize did: the KV it read
+                    # from D may not be this prompt's. Prefill again, without it.
+                    self.metrics.params_dropped.labels("render_mismatch").inc()
+                    log.warning("responses prompt rendered unlike /tokenize; prefilling again "
+                                "without reuse", extra={"conversation_id": conv})
+                    reuse, decision = None, ReuseDecision(Outcome.STALE, None, 0)
+                    info["refusal"] = Refusal.UNPROVEN
+                    pre = None
+                    continue
+                if seen is not None:
+                    ids = seen  # what the engines really computed: retained for the next turn
             self.metrics.reuse.labels(path).inc()
             if reuse is not None:
                 self.metrics.reused_tokens.inc(decision.reused_tokens)
@@ -432,15 +447,21 @@ class Router(DecodeLeg):
 
     async def _tokenize(self, inb: Inbound, headers: dict[str, str]) -> tuple[int, ...] | None:
         """The prompt's token ids as the engines see them; None: serve without a proof."""
+        body = tokenize_body(inb)
+        if body is None:
+            return None
         run = Attempts(self.retry.tokenize)
         for _ in run:
             inst = self.pool.choose(self.pool.prefill or self.pool.decode, exclude=run.tried)
             if inst is None:
                 return None
             try:
-                out = await self.legs.post_json(inst, "tokenize", "/tokenize",
-                                                tokenize_body(inb), headers,
+                out = await self.legs.post_json(inst, "tokenize", "/tokenize", body, headers,
                                                 self.cfg.timeouts.tokenize_s)
+            except EngineClientError:
+                if inb.endpoint is Endpoint.RESPONSES:
+                    return None  # our chat rendering of its input; the request may still be fine
+                raise
             except UpstreamError as e:
                 # Not a leg of the answer: its failures are not counted as retries.
                 run.failed(inst.name, e.kind)
@@ -462,7 +483,9 @@ def _release_reason(outcome: Outcome) -> ReleaseReason:
 
 
 def _prompt_ids_of(endpoint: Endpoint, resp: dict[str, Any]) -> tuple[int, ...] | None:
-    if endpoint is Endpoint.CHAT:
+    if endpoint is Endpoint.RESPONSES:
+        ids = raw_message_tokens(resp.get("input_messages"))
+    elif endpoint is Endpoint.CHAT:
         ids = resp.get("prompt_token_ids")
     else:
         ch = resp.get("choices") or [{}]
@@ -470,3 +493,4 @@ def _prompt_ids_of(endpoint: Endpoint, resp: dict[str, Any]) -> tuple[int, ...] 
     if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
         return tuple(ids)
     return None
+

@@ -41,11 +41,15 @@ def tenant_of(api_key: str | None) -> str:
 
 
 def clean_response(resp: dict[str, Any], keep_ids: bool) -> None:
-    """Never show clients the engines' transfer params (block ids, hosts)."""
+    """Never show clients the engines' transfer params (block ids, hosts), nor the token ids
+    the router asked for and the client did not (``return_token_ids``; a Responses answer's
+    ``input_messages`` / ``output_messages``)."""
     resp.pop("kv_transfer_params", None)
     if keep_ids:
         return
     resp.pop("prompt_token_ids", None)
+    resp.pop("input_messages", None)
+    resp.pop("output_messages", None)
     for ch in resp.get("choices") or []:
         if isinstance(ch, dict):
             ch.pop("token_ids", None)
@@ -55,3 +59,17 @@ def clean_response(resp: dict[str, Any], keep_ids: bool) -> None:
 async def aiter_of(it: Iterator[bytes]) -> AsyncIterator[bytes]:
     for x in it:
         yield x
+
+
+def raw_message_tokens(messages: Any) -> list[int] | None:
+    """The token ids of a Responses answer's ``input_messages`` / ``output_messages``
+    (vLLM's ``raw_message_tokens`` items, with ``enable_response_messages``)."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    out: list[int] = []
+    for m in messages:
+        toks = m.get("tokens") if isinstance(m, dict) else None
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            return None
+        out.extend(toks)
+    return out

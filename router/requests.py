@@ -37,10 +37,21 @@ _ROUTER_FIELDS = ("conversation_id",)
 class Endpoint(str, Enum):
     CHAT = "chat"
     COMPLETIONS = "completions"
+    # OpenAI's Responses API, non-streaming and without ``previous_response_id`` (the rest
+    # is passed through: router/responses.py)
+    RESPONSES = "responses"
 
     @property
     def path(self) -> str:
-        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+        return _PATHS[self]
+
+
+_PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/completions",
+          Endpoint.RESPONSES: "/v1/responses"}
+# What a Responses prefill leg does not need, or must not do: it generates one token, stores
+# nothing and streams nothing (``max_output_tokens``, ``store``, ``stream`` are set).
+_RESPONSES_PREFILL_DROP = ("stream", "stream_options", "background", "max_output_tokens",
+                           "store", "include", "text", "top_logprobs", "enable_response_messages")
 
 
 class BadRequest(Exception):
@@ -90,6 +101,17 @@ class _Completion(_Common):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
 
+class _Responses(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, max_length=1024)
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    stream: StrictBool = False
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    conversation_id: str | None = Field(None, min_length=1, max_length=MAX_CONVERSATION_ID_LEN)
+    enable_response_messages: StrictBool | None = None
+
+
 class Inbound(BaseModel):
     """A validated, sanitized client request."""
 
@@ -112,6 +134,8 @@ def parse_inbound(endpoint: Endpoint, raw: Any, headers: dict[str, str]) -> Inbo
     """Validate a decoded JSON body; raise BadRequest (4xx) on anything unusable."""
     if not isinstance(raw, dict):
         raise BadRequest("request body must be a JSON object")
+    if endpoint is Endpoint.RESPONSES:
+        return _parse_responses(raw, headers)
     model_cls = _Chat if endpoint is Endpoint.CHAT else _Completion
     try:
         req = model_cls.model_validate(raw)
@@ -151,6 +175,26 @@ def parse_inbound(endpoint: Endpoint, raw: Any, headers: dict[str, str]) -> Inbo
         mode="direct" if direct else "pd",
         prompt_ids=prompt_ids,
     )
+
+
+def _parse_responses(raw: dict[str, Any], headers: dict[str, str]) -> Inbound:
+    """A Responses request for the P/D flow (the caller sends only those without
+    ``previous_response_id`` and ``background`` here)."""
+    try:
+        req = _Responses.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise BadRequest(f"invalid field {loc!r}: {first.get('msg')}", param=loc or None) from None
+    conv, named_by = session_name(raw, headers)
+    if conv is not None and not (0 < len(conv) <= MAX_CONVERSATION_ID_LEN):
+        raise BadRequest(f"{named_by} must be 1..256 characters", param=named_by)
+    body = {k: v for k, v in raw.items()
+            if k not in INBOUND_STRIP_KEYS and k not in _ROUTER_FIELDS}
+    return Inbound(endpoint=Endpoint.RESPONSES, body=body, model=req.model, stream=req.stream,
+                   conversation=ConversationId(conv) if conv else None,
+                   client_wants_token_ids=bool(req.enable_response_messages),
+                   include_usage=False, mode="pd", prompt_ids=None)
 
 
 # Where a conversation's name is read from, first found wins: kvtier's own name, vLLM's
@@ -208,6 +252,13 @@ def strip_headers(headers: dict[str, str]) -> dict[str, str]:
 
 def prefill_body(inb: Inbound, kv_params: dict[str, Any],
                  prompt_ids: tuple[int, ...] | None) -> dict[str, Any]:
+    if inb.endpoint is Endpoint.RESPONSES:
+        # vLLM answers the prompt's token ids in ``input_messages`` (the router checks
+        # them against the ids it proved reuse with)
+        body = {k: v for k, v in inb.body.items() if k not in _RESPONSES_PREFILL_DROP}
+        body.update(max_output_tokens=1, stream=False, store=False,
+                    enable_response_messages=True, kv_transfer_params=dict(kv_params))
+        return body
     body = {k: v for k, v in inb.body.items() if k not in _PREFILL_DROP}
     body["max_tokens"] = 1
     body["stream"] = False
@@ -224,7 +275,9 @@ def decode_body(inb: Inbound, kv_params: dict[str, Any] | None,
     body["stream"] = stream
     if not stream:
         body.pop("stream_options", None)
-    if want_ids:
+    if want_ids and inb.endpoint is Endpoint.RESPONSES:
+        body["enable_response_messages"] = True  # the prompt's and the answer's token ids
+    elif want_ids:
         body["return_token_ids"] = True
     kv = dict(kv_params) if kv_params else {}
     _attach_ids(inb, body, kv, prompt_ids)
@@ -239,7 +292,7 @@ def direct_body(inb: Inbound) -> dict[str, Any]:
 
 def _attach_ids(inb: Inbound, body: dict, kv: dict, prompt_ids: tuple[int, ...] | None) -> None:
     """Send the router's verified token ids so no engine re-tokenizes differently."""
-    if prompt_ids is None:
+    if prompt_ids is None or inb.endpoint is Endpoint.RESPONSES:
         return
     if inb.endpoint is Endpoint.COMPLETIONS:
         body["prompt"] = list(prompt_ids)
@@ -247,9 +300,15 @@ def _attach_ids(inb: Inbound, body: dict, kv: dict, prompt_ids: tuple[int, ...] 
         kv["prompt_token_ids"] = list(prompt_ids)
 
 
-def tokenize_body(inb: Inbound) -> dict[str, Any]:
-    """vLLM ``/tokenize`` body that renders exactly what the engine would."""
+def tokenize_body(inb: Inbound) -> dict[str, Any] | None:
+    """vLLM ``/tokenize`` body that renders exactly what the engine would; None where the
+    router cannot say (a Responses input it does not map to chat messages)."""
     b = inb.body
+    if inb.endpoint is Endpoint.RESPONSES:
+        messages = responses_messages(b)
+        if messages is None or "tools" in b:
+            return None  # tools: rendered from another schema than chat's
+        return {"model": inb.model, "messages": messages}
     if inb.endpoint is Endpoint.COMPLETIONS:
         return {"model": inb.model, "prompt": b["prompt"],
                 "add_special_tokens": b.get("add_special_tokens", True)}
@@ -260,3 +319,40 @@ def tokenize_body(inb: Inbound) -> dict[str, Any]:
         if k in b:
             out[k] = b[k]
     return out
+
+
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A Responses request's ``instructions`` + ``input`` as the chat messages vLLM renders
+    it from (vllm/entrypoints/openai/responses/utils.py ``construct_input_messages``), for
+    plain text messages only; None for anything else (tool calls, images, reasoning items).
+    The router never trusts this alone: the prefill's own prompt ids are checked."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    inp = body.get("input")
+    if isinstance(inp, str):
+        messages.append({"role": "user", "content": inp})
+        return messages
+    if not isinstance(inp, list):
+        return None
+    for item in inp:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            return None
+        role, content = item.get("role"), item.get("content")
+        if role not in ("user", "assistant", "system", "developer") or content is None:
+            return None
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") in ("input_text",
+                                                                         "output_text")
+                        and isinstance(part.get("text"), str)):
+                    return None
+                texts.append(part["text"])
+            content = "".join(texts) if role == "assistant" else [
+                {"type": "text", "text": t} for t in texts]
+        elif not isinstance(content, str):
+            return None
+        messages.append({"role": role, "content": content})
+    return messages

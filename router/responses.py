@@ -1,10 +1,18 @@
-"""OpenAI's Responses API through the router: passed through to one instance, not P/D.
+"""OpenAI's Responses API through the router: P/D with reuse where it can, else passed through.
 
-vLLM 0.32 serves ``POST /v1/responses`` (and accepts ``kv_transfer_params`` there), but a
-Responses conversation lives in the engine that answered it: ``previous_response_id`` names
-a response stored in that process, and its answers carry no token ids for the router to
-prove the next prompt against. So the router serves it as it serves direct mode: the whole
-request on one instance (decode nodes first), with:
+vLLM 0.32 serves ``POST /v1/responses`` and accepts ``kv_transfer_params`` there. A request
+that sends its whole conversation as ``input`` and is not streamed (``pd_eligible``) goes
+through the same P/D flow as chat (``Endpoint.RESPONSES``): a one-token prefill leg, then
+decode; the legs ask vLLM for ``enable_response_messages``, whose raw token ids are the
+prompt and the answer the router retains and proves the next turn against (a named
+conversation, or the one the prompt provably continues), so the next turn reads the decode
+node's KV as a chat turn does. The prompt is tokenized through ``/tokenize`` with the
+input mapped to chat messages (``requests.responses_messages``, plain text messages only);
+the prefill's own prompt ids are checked against it before anything it read is trusted.
+
+The rest is passed through: ``previous_response_id`` names a response stored in one engine
+process (the chain lives there), and vLLM's Responses stream carries no transfer params. Those
+are served as direct mode serves: the whole request on one instance (decode nodes first), with:
 
 - **affinity**: a response's id is remembered with its tenant and instance (bounded, oldest
   forgotten), so ``previous_response_id`` and ``GET /v1/responses/{id}`` go where the
@@ -15,8 +23,9 @@ request on one instance (decode nodes first), with:
 - streams relayed as they come (Responses events are named SSE events and end without
   ``[DONE]``); a client that leaves closes the engine's stream (vLLM aborts).
 
-The reuse a Responses turn gets is the engine's own prefix cache (and its host tier, when
-the instance runs kvtier's connector); no D->P read.
+The reuse a passed-through turn gets is the engine's own prefix cache (and its host tier,
+when the instance runs kvtier's connector); no D->P read. Responses answered through P/D are
+stored on their decode instance and remembered for affinity like the others.
 
 Threading model: the router's event loop; the affinity map is only touched there.
 """
@@ -27,7 +36,7 @@ import json
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -35,7 +44,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.router.flow import Router
 from kvtier.router.pool import InstanceState
-from kvtier.router.requests import forward_headers
+from kvtier.router.reply import Reply
+from kvtier.router.requests import Endpoint, forward_headers
 from starlette.routing import Route
 
 from kvtier.ids import PodId
@@ -64,6 +74,15 @@ class Affinity:
         return v[1] if v is not None and v[0] == tenant else None
 
 
+def pd_eligible(body: dict[str, Any]) -> bool:
+    """Whether a Responses request goes through the P/D flow: a whole conversation sent as
+    input (no ``previous_response_id``, which names a response stored in one engine, and
+    no ``conversation`` object), not streamed (vLLM's Responses stream carries no transfer
+    params; the router does not rebuild Responses events) and not in the background."""
+    return not (body.get("previous_response_id") or body.get("conversation")
+                or body.get("stream") or body.get("background"))
+
+
 def strip_transfer_params(obj: Any) -> Any:
     """``obj`` without any ``kv_transfer_params`` key, at any depth."""
     if isinstance(obj, dict):
@@ -74,7 +93,11 @@ def strip_transfer_params(obj: Any) -> Any:
 
 
 def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str | None],
-               error: Callable[..., JSONResponse], read_body: Callable[..., Any]) -> None:
+               error: Callable[..., JSONResponse], read_body: Callable[..., Any],
+               serve: Callable[..., Awaitable[Response]] | None = None) -> None:
+    """``serve``: the app's P/D flow (``serve(request, Endpoint.RESPONSES, raw=body,
+    after=...)``), for the requests it takes (module docstring); None: pass everything
+    through."""
     cfg = router.cfg
     affinity = Affinity()
     app.state.responses_affinity = affinity
@@ -103,6 +126,12 @@ def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str 
         prev = body.get("previous_response_id")
         if prev is not None and not (isinstance(prev, str) and 0 < len(prev) <= _ID_MAX):
             return error(400, "invalid previous_response_id")
+        if serve is not None and pd_eligible(body):
+            def remember(reply: Reply) -> None:
+                out, inst = reply.json, reply.info.get("decode")
+                if isinstance(out, dict) and isinstance(out.get("id"), str) and inst:
+                    affinity.put(out["id"], tenant, str(inst))
+            return await serve(request, Endpoint.RESPONSES, raw=body, after=remember)
         pinned = affinity.get(prev, tenant) if prev else None
         if prev and pinned is None:
             return error(404, f"no response {prev!r}", "not_found_error")

@@ -14,8 +14,9 @@ long as somebody renews their lease. ``Retention`` is the flow's one handle on t
 - ``confirm`` renews a taken turn's lease right before its params are offered to a prefill
   (one round trip; for at least ``READ_WINDOW_S``: a prefill declines a read within 5 s of
   the deadline) and patches the fresh deadline into ``remote_blocks_expiry_time``, so a
-  turn held longer than its first lease is still read; a lease found gone refuses the reuse
-  (``released``) instead of offering a read the prefill would decline;
+  turn held longer than its first lease is still read; a lease found gone, or held with less
+  than ``MIN_READ_LEFT_S`` left (vLLM's TTL ends first), refuses the reuse (``released``)
+  instead of offering a read the prefill would decline;
 - ``ended`` is called once per taken turn: a read frees the blocks in vLLM (forget the lease),
   anything else releases them now, with the reason (``moved``, ``dropped``, ``trimmed``);
 - ``close`` releases a conversation the client closed (``DELETE /v1/conversations/{id}``).
@@ -51,6 +52,10 @@ _MAX_TRACKED = 100_000  # lost leases and last-turn times remembered (oldest for
 # _KV_BLOCKS_EXPIRY_SAFETY_MARGIN); the renewal before an offer covers that margin plus the
 # time the prefill may take to reach the read (queueing), whatever the lease.
 READ_WINDOW_S = 15.0
+# A renewed lease with less than this left is not offered: vLLM's TTL (the lease's upper
+# bound) ends too soon for the read to clear that 5 s margin once the prefill reaches it;
+# a live A/B run saw such reads declined (HTTP 500 from the prefill, then retried).
+MIN_READ_LEFT_S = 8.0
 
 
 class Retention:
@@ -169,6 +174,11 @@ class Retention:
         state = reply.leases.get(rid)
         if state is None or not state.held:
             self._remember(self._gone, (pod, rid), None)
+            return None
+        if state.expires_in_s < MIN_READ_LEFT_S:
+            # held, but vLLM's TTL ends before a read could clear its margin: the prefill
+            # would decline it (and fail the request); the caller releases it instead
+            self.metrics.lease_calls.labels("renew", "too_late").inc()
             return None
         return params.model_copy(update={"remote_blocks_expiry_time": state.deadline})
 

@@ -54,7 +54,9 @@ class RunningInstance:
 
 
 class StackStartError(RuntimeError):
-    pass
+    def __init__(self, message: str, hung: bool = False) -> None:
+        super().__init__(message)
+        self.hung = hung  # alive but never ready (not a crash, not a fatal log line)
 
 
 PORT_TAKEN = "Address already in use"
@@ -102,18 +104,22 @@ class LocalStack:
                 self._wait_ready()
                 self._place()
                 return
-            except StackStartError:
+            except StackStartError as e:
                 # OS-assigned ports are only reserved until we close the probe
                 # socket; another process can take one before vLLM binds it.
                 # Then pick fresh ports and start again.
                 # The engine core may die of it while the API server lives on.
                 lost_race = self.spec.base_port is None and any(
                     PORT_TAKEN in i.log_tail(400) for i in self.instances)
+                # An engine alive but never ready (once: a worker stuck for minutes in
+                # connector setup on loaded CI cores) gets one more start, not more.
+                hung_once = e.hung and attempt == 1
                 self.stop()
-                if not lost_race or attempt == attempts:
+                if not (lost_race or hung_once) or attempt == attempts:
                     raise
-                log.warning("a port was taken before vLLM bound it; restarting the stack "
-                            "with fresh ports (attempt %d/%d)", attempt + 1, attempts)
+                log.warning("%s; restarting the stack with fresh ports (attempt %d/%d)",
+                            "a port was taken before vLLM bound it" if lost_race
+                            else "an instance never became ready", attempt + 1, attempts)
                 self.instances.clear()
                 self._stopped = False
                 atexit.register(self.stop)
@@ -162,8 +168,7 @@ class LocalStack:
                 names = [i.spec.name for i in pending]
                 raise StackStartError(
                     f"{names} not ready after {self.startup_timeout_s:.0f}s; "
-                    f"last log lines of {names[0]}:\n{pending[0].log_tail()}"
-                )
+                    f"last log lines of {names[0]}:\n{pending[0].log_tail()}", hung=True)
             if pending:
                 time.sleep(1.0)
 

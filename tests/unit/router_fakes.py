@@ -66,6 +66,9 @@ class FakeEngines(httpx.AsyncBaseTransport):
     indexer_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     feed: Callable[[str, FinishedParams], None] | None = None  # (engine url, message)
     stream_params: bool = False
+    # token ids a Responses engine renders before the input that /tokenize does not (an
+    # engine whose Responses rendering differs from its chat rendering)
+    responses_render_prefix: list[int] = field(default_factory=list)
 
     def fail(self, url: str, *faults: Fault) -> None:
         self.faults.setdefault(url, []).extend(faults)
@@ -101,7 +104,7 @@ class FakeEngines(httpx.AsyncBaseTransport):
         self.calls.append(Call(url, path, body, {k.lower(): v for k, v in request.headers.items()},
                                raw))
         if path.startswith("/v1/responses"):
-            return _responses(url, path, body, len(self.calls))
+            return _responses(url, path, body, len(self.calls), self.responses_render_prefix)
         if path == "/tokenize":
             return httpx.Response(200, json={"tokens": _chat_ids(body)})
         queued = self.faults.get(url)
@@ -122,8 +125,20 @@ class FakeEngines(httpx.AsyncBaseTransport):
         return resp
 
 
-def _responses(url: str, path: str, body: dict[str, Any], n: int) -> httpx.Response:
-    """vLLM's Responses API, enough for the router: ids name the engine that stored them."""
+def _responses_ids(body: dict[str, Any]) -> list[int]:
+    """The prompt of a Responses request as this fake renders it: characters of the
+    instructions and of every input message's content, like ``/tokenize`` of chat."""
+    texts = [body["instructions"]] if body.get("instructions") else []
+    inp = body.get("input")
+    texts += [inp] if isinstance(inp, str) else [str(m.get("content", "")) for m in inp or []]
+    return [ord(ch) for t in texts for ch in t]
+
+
+def _responses(url: str, path: str, body: dict[str, Any], n: int,
+               render_prefix: list[int] | None = None) -> httpx.Response:
+    """vLLM's Responses API, enough for the router: ids name the engine that stored them;
+    P/D legs (``kv_transfer_params``) answer like completions do, and
+    ``enable_response_messages`` adds the prompt's and the answer's token ids."""
     host = url.split("//")[1].split(".")[0]
     if path != "/v1/responses":  # GET /v1/responses/{id}
         rid = path.rsplit("/", 1)[1]
@@ -135,6 +150,18 @@ def _responses(url: str, path: str, body: dict[str, Any], n: int) -> httpx.Respo
             "output": [{"type": "message", "content": [{"type": "output_text",
                                                         "text": "abc"}]}],
             "kv_transfer_params": {"remote_host": "10.9.9.9"}}
+    kvp = body.get("kv_transfer_params")
+    prompt = [*(render_prefix or []), *_responses_ids(body)]
+    prefill = body.get("max_output_tokens") == 1 and bool((kvp or {}).get("do_remote_decode"))
+    gen = GEN[:1] if prefill else GEN
+    if prefill:
+        resp["kv_transfer_params"] = {"do_remote_prefill": True, **_blocks(url, "P", len(prompt))}
+    elif kvp is not None:
+        resp["kv_transfer_params"] = _d_params(url, prompt)
+    if body.get("enable_response_messages"):
+        resp["input_messages"] = [{"message": "", "tokens": prompt, "type": "raw_message_tokens"}]
+        resp["output_messages"] = [{"message": "abc", "tokens": gen,
+                                    "type": "raw_message_tokens"}]
     if not body.get("stream"):
         return httpx.Response(200, json=resp)
     events = [(b"response.created", {"type": "response.created", "response": resp}),

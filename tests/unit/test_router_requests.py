@@ -123,3 +123,36 @@ def test_shipped_router_config_loads_and_cli_flags_override(tmp_path):
     args = ap.parse_args(["router", "--prefill", "http://a:1", "--decode", "http://b:2"])
     c = config_from_args(args)
     assert c.port == 8000 and c.host == "127.0.0.1" and c.indexer is None
+
+
+def test_responses_input_maps_to_the_chat_messages_vllm_renders() -> None:
+    from kvtier.router.requests import responses_messages
+
+    assert responses_messages({"input": "hi", "instructions": "be brief"}) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                          {"type": "input_text", "text": "b"}]},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "c"}]}]
+    assert responses_messages({"input": items}) == [
+        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                     {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "c"}]
+    # anything but plain text messages: the router does not guess
+    for bad in ([{"type": "function_call_output", "call_id": "c", "output": "1"}],
+                [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+                [{"role": "tool", "content": "x"}], 7):
+        assert responses_messages({"input": bad}) is None
+
+
+def test_responses_requests_are_validated() -> None:
+    from kvtier.router.requests import Endpoint, parse_inbound
+
+    inb = parse_inbound(Endpoint.RESPONSES, {"model": "m", "input": "hi",
+                                             "conversation_id": "c", "store": True}, {})
+    assert inb.conversation == "c" and "conversation_id" not in inb.body
+    assert inb.mode == "pd" and inb.body["store"] is True
+    for raw in ({"input": "x"}, {"model": "m"}, {"model": "m", "input": ""},
+                {"model": "m", "input": "x", "max_output_tokens": 0}):
+        with pytest.raises(BadRequest):
+            parse_inbound(Endpoint.RESPONSES, raw, {})

@@ -90,6 +90,22 @@ def test_a_taken_turn_is_renewed_and_offered_with_its_fresh_deadline(node) -> No
     assert sum(table.released.values()) == 0
 
 
+def test_a_turn_whose_ttl_ends_before_a_read_could_is_not_offered(node) -> None:
+    """vLLM's TTL bounds every lease: with 6 s of it left, a renewal cannot give the prefill
+    the 5 s margin it checks at read time. The turn is released and recomputed instead of
+    being offered (the prefill would decline the read and fail the request)."""
+    table, server = node
+    for c, fake, router in make(server.endpoint):
+        complete(c, PROMPT)
+        table.grant(RID, 3, ttl_deadline=table.clock() + 6, lease_s=30.0)
+        r = complete(c, [*PROMPT, *GEN, 7])
+        assert r.status_code == 200 and r.headers["x-kvtier-reuse"] == "none; tokens=0"
+        assert "remote_engine_id" not in fake.prefills()[-1].kvp
+        assert until(lambda: sum(table.released.values()) == 1)
+        m = c.get("/metrics").text
+        assert 'kvtier_router_lease_calls_total{op="renew",result="too_late"} 1.0' in m
+
+
 def test_close_releases_now_and_only_for_its_tenant(node) -> None:
     table, server = node
     for c, _, _ in make(server.endpoint, api_keys=["ka", "kb"]):

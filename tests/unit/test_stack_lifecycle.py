@@ -19,10 +19,14 @@ from kvtier.devstack.stack import LocalStack, StackStartError
 FAKE_SERVER = textwrap.dedent("""
     import http.server, os, sys, time
     marker = os.environ["FAKE_MARKER"]
+    if os.environ.get("FAKE_MODE") == "hang-always":
+        time.sleep(3600)
     if os.environ.get("FAKE_MODE") == "crash":
         print("ValueError: model is broken", flush=True); sys.exit(3)
     if not os.path.exists(marker):
         open(marker, "w").close()
+        if os.environ.get("FAKE_MODE") == "hang":
+            time.sleep(3600)  # alive, never ready
         if os.environ.get("FAKE_MODE") == "engine-dies":
             print("(EngineCore pid=1) ERROR EngineCore failed to start.", flush=True)
         print("OSError: [Errno 98] Address already " + "in use", flush=True)
@@ -202,3 +206,23 @@ def test_one_at_a_time_is_the_default_on_cuda_only(monkeypatch):
         assert not StackSpec(model="/m").starts_one_at_a_time()
     finally:
         spec_mod.is_cpu_platform.cache_clear()
+
+
+@pytest.mark.timeout(60)
+def test_an_instance_that_never_becomes_ready_gets_one_more_start(fake_server, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "hang")
+    stack = LocalStack(StackSpec(model="/m", prefill=1, decode=0), fake_server / "logs",
+                       startup_timeout_s=4)
+    with stack:
+        assert [i.alive() for i in stack.instances] == [True]
+    assert (fake_server / "marker").exists()  # the first start did hang
+
+
+@pytest.mark.timeout(60)
+def test_a_second_hang_is_not_retried(fake_server, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "hang-always")
+    stack = LocalStack(StackSpec(model="/m", prefill=1, decode=0), fake_server / "logs",
+                       startup_timeout_s=3)
+    with pytest.raises(StackStartError, match="not ready after 3s"):
+        stack.start()
+    assert all(not i.alive() for i in stack.instances)
