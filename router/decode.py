@@ -28,10 +28,13 @@ from kvtier.router.retention import Retention
 from kvtier.router.retry import Attempts, RetryPolicies
 from kvtier.router.sse import (
     DONE,
+    RESPONSE_END_TYPES,
     Garbage,
     chat_events,
+    clean_named_event,
     completion_events,
     error_event,
+    responses_error_event,
     strip_params,
 )
 from kvtier.router.store import ConversationBackend, RetainedKV
@@ -82,8 +85,10 @@ class DecodeLeg:
             feed = (track and inb.stream and mode == "stream" and params is not None
                     and self.feed.has(d.name))
             # Without a feed, a streaming client is buffered only for a conversation it
-            # named; an unnamed one keeps its token-by-token stream (and no reuse).
-            relay_only = inb.stream and (mode == "passthrough" or inb.conversation is None)
+            # named; an unnamed one keeps its token-by-token stream (and no reuse). A
+            # Responses stream is never buffered (the router does not rebuild its events).
+            relay_only = inb.stream and (mode == "passthrough" or inb.conversation is None
+                                         or inb.endpoint is Endpoint.RESPONSES)
             capture = (track and ids is not None and params is not None and not feed
                        and not relay_only)
             upstream_stream = inb.stream and not capture
@@ -95,6 +100,9 @@ class DecodeLeg:
                 if self.feed.expect(d.name, tag):
                     rid = headers.get("x-request-id", "")
                     leg_headers = {**headers, "x-request-id": f"{rid}-{tag}" if rid else tag}
+                    if inb.endpoint is Endpoint.RESPONSES:
+                        # vLLM's Responses request id is a body field, not the header
+                        body["request_id"] = f"resp_{tag}"
                     info["capture"] = "feed"
                 else:
                     tag = None
@@ -102,7 +110,8 @@ class DecodeLeg:
                 if upstream_stream:
                     stream = await self.legs.open_stream(d, "decode", inb.endpoint.path, body,
                                                          leg_headers)
-                    relay = self._relay(stream, d, tag, conv if tag else None, tenant, ids)
+                    relay = (self._relay_responses if inb.endpoint is Endpoint.RESPONSES
+                             else self._relay)(stream, d, tag, conv if tag else None, tenant, ids)
                     return Reply(200, stream=relay, info=info, reuse=report)
                 resp = await self.legs.post_json(d, "decode", inb.endpoint.path, body, headers,
                                                  self.cfg.timeouts.decode_idle_s)
@@ -170,6 +179,47 @@ class DecodeLeg:
                     await self._retain_finished(conv, tenant, d, ids, msg)
             if tag is not None:
                 yield DONE
+        finally:
+            if tag is not None:
+                self.feed.forget(d.name, tag)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def _relay_responses(self, stream: AsyncIterator[bytes], d: InstanceState,
+                               tag: str | None, conv: ConversationId | None, tenant: str,
+                               ids: tuple[int, ...] | None) -> AsyncIterator[bytes]:
+        """Relay a decode leg's Responses stream (named events; it ends with the response in
+        its final state, no ``[DONE]``) with engine transfer params taken out. With a feed
+        ``tag``, hold that last event until the decode node's params for this leg arrived
+        (or ``params_wait_s`` passed) and are retained, as ``_relay`` holds ``[DONE]``."""
+        buf, last = b"", None
+        try:
+            try:
+                async for chunk in stream:
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        if not event.strip():
+                            continue
+                        out, kind, _ = clean_named_event(event)
+                        if kind in RESPONSE_END_TYPES:
+                            last = out
+                            continue
+                        yield out
+            except StreamBroken as e:
+                yield responses_error_event(str(e))
+                return
+            if last is None:
+                self.legs.midstream("decode", d, "stream ended before the response did")
+                yield responses_error_event("upstream decode ended the stream early")
+                return
+            if tag is not None and conv is not None:
+                msg = await self.feed.wait(d.name, tag, self.cfg.params_wait_s)
+                if msg is not None:
+                    await self._retain_finished(conv, tenant, d, ids, msg)
+            yield last
         finally:
             if tag is not None:
                 self.feed.forget(d.name, tag)

@@ -1,22 +1,28 @@
 """OpenAI's Responses API through the router: P/D with reuse where it can, else passed through.
 
 vLLM 0.32 serves ``POST /v1/responses`` and accepts ``kv_transfer_params`` there. A request
-that sends its whole conversation as ``input`` and is not streamed (``pd_eligible``) goes
-through the same P/D flow as chat (``Endpoint.RESPONSES``): a one-token prefill leg, then
-decode; the legs ask vLLM for ``enable_response_messages``, whose raw token ids are the
-prompt and the answer the router retains and proves the next turn against (a named
-conversation, or the one the prompt provably continues), so the next turn reads the decode
-node's KV as a chat turn does. The prompt is tokenized through ``/tokenize`` with the
-input mapped to chat messages (``requests.responses_messages``, plain text messages only);
-the prefill's own prompt ids are checked against it before anything it read is trusted.
+that sends its whole conversation as ``input`` (``pd_eligible``) goes through the same P/D
+flow as chat (``Endpoint.RESPONSES``): a one-token prefill leg, then decode. The prefill is
+asked for ``enable_response_messages``, whose raw token ids are the prompt as vLLM rendered
+it; the router retains those plus the answer's ids (a non-streamed decode leg's
+``output_messages``; a streamed one's from the decode node's params feed, matched by the
+feed tag in the leg's ``request_id``) and proves the next turn against them, named (a
+conversation id) or by content, so the next turn reads the decode node's KV as a chat turn
+does. The prompt is tokenized through ``/tokenize`` with the input mapped to chat messages
+(``requests.responses_messages``, plain text messages only); the prefill's own prompt ids
+are checked against that before anything it read is trusted. A streamed decode leg is
+relayed event by event (``DecodeLeg._relay_responses``), its closing event held until the
+feed's params are retained; without a feed on that decode node it is relayed without reuse.
 
 The rest is passed through: ``previous_response_id`` names a response stored in one engine
-process (the chain lives there), and vLLM's Responses stream carries no transfer params. Those
-are served as direct mode serves: the whole request on one instance (decode nodes first), with:
+process (the chain lives there), a ``conversation`` object likewise, and ``background``
+responses are polled there. Those are served as direct mode serves: the whole request on one
+instance (decode nodes first), with:
 
 - **affinity**: a response's id is remembered with its tenant and instance (bounded, oldest
   forgotten), so ``previous_response_id`` and ``GET /v1/responses/{id}`` go where the
-  response is stored; another tenant's id is a 404, as an unknown one;
+  response is stored; another tenant's id is a 404, as an unknown one (responses answered
+  through P/D are remembered with their decode instance, where they are stored);
 - the same allow-list of headers as every leg (``requests.forward_headers``), client
   ``kv_transfer_params`` refused and engine ``kv_transfer_params`` taken out of answers,
   streamed or not;
@@ -24,8 +30,7 @@ are served as direct mode serves: the whole request on one instance (decode node
   ``[DONE]``); a client that leaves closes the engine's stream (vLLM aborts).
 
 The reuse a passed-through turn gets is the engine's own prefix cache (and its host tier,
-when the instance runs kvtier's connector); no D->P read. Responses answered through P/D are
-stored on their decode instance and remembered for affinity like the others.
+when the instance runs kvtier's connector); no D->P read.
 
 Threading model: the router's event loop; the affinity map is only touched there.
 """
@@ -46,6 +51,7 @@ from kvtier.router.flow import Router
 from kvtier.router.pool import InstanceState
 from kvtier.router.reply import Reply
 from kvtier.router.requests import Endpoint, forward_headers
+from kvtier.router.sse import clean_named_event, responses_error_event, strip_transfer_params
 from starlette.routing import Route
 
 from kvtier.ids import PodId
@@ -77,19 +83,23 @@ class Affinity:
 def pd_eligible(body: dict[str, Any]) -> bool:
     """Whether a Responses request goes through the P/D flow: a whole conversation sent as
     input (no ``previous_response_id``, which names a response stored in one engine, and
-    no ``conversation`` object), not streamed (vLLM's Responses stream carries no transfer
-    params; the router does not rebuild Responses events) and not in the background."""
+    no ``conversation`` object), not in the background."""
     return not (body.get("previous_response_id") or body.get("conversation")
-                or body.get("stream") or body.get("background"))
+                or body.get("background"))
 
 
-def strip_transfer_params(obj: Any) -> Any:
-    """``obj`` without any ``kv_transfer_params`` key, at any depth."""
-    if isinstance(obj, dict):
-        return {k: strip_transfer_params(v) for k, v in obj.items() if k != "kv_transfer_params"}
-    if isinstance(obj, list):
-        return [strip_transfer_params(v) for v in obj]
-    return obj
+async def _ids_seen(stream: AsyncIterator[bytes],
+                    seen: Callable[[str], None]) -> AsyncIterator[bytes]:
+    """``stream`` as it is, telling ``seen`` the id of its ``response.created`` event."""
+    told = False
+    async for chunk in stream:
+        if not told and b"response.created" in chunk:
+            for event in chunk.split(b"\n\n"):
+                _, _, rid = clean_named_event(event)
+                if rid is not None:
+                    seen(rid)
+                    told = True
+        yield chunk
 
 
 def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str | None],
@@ -129,8 +139,13 @@ def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str 
         if serve is not None and pd_eligible(body):
             def remember(reply: Reply) -> None:
                 out, inst = reply.json, reply.info.get("decode")
-                if isinstance(out, dict) and isinstance(out.get("id"), str) and inst:
+                if not inst:
+                    return
+                if isinstance(out, dict) and isinstance(out.get("id"), str):
                     affinity.put(out["id"], tenant, str(inst))
+                elif reply.stream is not None:
+                    reply.stream = _ids_seen(reply.stream,
+                                             lambda rid: affinity.put(rid, tenant, str(inst)))
             return await serve(request, Endpoint.RESPONSES, raw=body, after=remember)
         pinned = affinity.get(prev, tenant) if prev else None
         if prev and pinned is None:
@@ -186,17 +201,23 @@ def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str 
                     buf += chunk
                     while b"\n\n" in buf:
                         event, buf = buf.split(b"\n\n", 1)
-                        yield _clean_event(event, lambda i: affinity.put(i, tenant, inst.name))
+                        yield remembered(event, tenant, inst.name)
                 if buf.strip():
-                    yield _clean_event(buf, lambda i: affinity.put(i, tenant, inst.name))
+                    yield remembered(buf, tenant, inst.name)
             except httpx.HTTPError:
-                yield b'event: error\ndata: {"type":"error","message":"upstream stream broke"}\n\n'
+                yield responses_error_event("upstream stream broke")
             finally:
                 await resp.aclose()
 
         return StreamingResponse(relay(), media_type="text/event-stream",
                                  headers={"x-request-id": rid, "cache-control": "no-cache",
                                           "x-kvtier-reuse": "none; tokens=0"})
+
+    def remembered(event: bytes, tenant: str, inst: str) -> bytes:
+        out, _, rid = clean_named_event(event)
+        if rid is not None:
+            affinity.put(rid, tenant, inst)
+        return out
 
     async def get(request: Request) -> Response:
         tenant = authorize(request)
@@ -220,25 +241,3 @@ def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str 
     app.router.routes.append(Route("/v1/responses", create, methods=["POST"]))
     app.router.routes.append(Route("/v1/responses/{response_id}", get, methods=["GET"]))
 
-
-def _clean_event(event: bytes, seen_id: Callable[[str], None]) -> bytes:
-    """One SSE event with engine transfer params taken out; reports the response id of a
-    ``response.created`` event."""
-    lines = event.split(b"\n")
-    out = []
-    for line in lines:
-        if line.startswith(b"data:") and (b"kv_transfer_params" in line
-                                          or b"response.created" in line):
-            try:
-                data = json.loads(line[5:])
-            except ValueError:
-                out.append(line)
-                continue
-            if isinstance(data, dict) and data.get("type") == "response.created":
-                resp = data.get("response")
-                if isinstance(resp, dict) and isinstance(resp.get("id"), str):
-                    seen_id(resp["id"])
-            line = b"data: " + json.dumps(strip_transfer_params(data),
-                                          separators=(",", ":")).encode()
-        out.append(line)
-    return b"\n".join(out) + b"\n\n"

@@ -162,3 +162,48 @@ def _take(obj: dict[str, Any], found: Callable[[dict[str, Any]], None]) -> None:
     kvp = obj.pop("kv_transfer_params", None)
     if isinstance(kvp, dict):
         found(kvp)
+
+
+# ---- the Responses API's stream: named events, no [DONE] ---------------------------------
+# The events that end a Responses stream (the response object in its final state).
+RESPONSE_END_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def strip_transfer_params(obj: Any) -> Any:
+    """``obj`` without any ``kv_transfer_params`` key, at any depth."""
+    if isinstance(obj, dict):
+        return {k: strip_transfer_params(v) for k, v in obj.items() if k != "kv_transfer_params"}
+    if isinstance(obj, list):
+        return [strip_transfer_params(v) for v in obj]
+    return obj
+
+
+def clean_named_event(event: bytes) -> tuple[bytes, str | None, str | None]:
+    """One Responses SSE event (without its blank-line end) with engine transfer params taken
+    out, ended again; its ``type`` and, for ``response.created``, the response's id."""
+    kind: str | None = None
+    rid: str | None = None
+    out = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                data = json.loads(line[5:])
+            except ValueError:
+                out.append(line)
+                continue
+            if isinstance(data, dict):
+                kind = data.get("type") if isinstance(data.get("type"), str) else None
+                resp = data.get("response")
+                if kind == "response.created" and isinstance(resp, dict) \
+                        and isinstance(resp.get("id"), str):
+                    rid = resp["id"]
+                if b"kv_transfer_params" in line:
+                    line = b"data: " + json.dumps(strip_transfer_params(data),
+                                                  separators=(",", ":")).encode()
+        out.append(line)
+    return b"\n".join(out) + b"\n\n", kind, rid
+
+
+def responses_error_event(message: str) -> bytes:
+    return (b"event: error\ndata: " + json.dumps({"type": "error", "message": message})
+            .encode() + b"\n\n")

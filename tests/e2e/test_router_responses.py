@@ -2,7 +2,9 @@
 ``openai`` client (router/responses.py): a conversation sent as whole input goes through P/D
 and its next turn reads the decode node's KV, answers equal to the engine's own; a follow-up
 by ``previous_response_id`` goes to the instance that answered the response it names;
-streamed events relayed as they come; engine transfer params never shown. (Affinity of
+streamed events relayed as they come (a stream also through P/D, relayed without reuse on
+this stack: its decode node has no params feed; tests/e2e/test_router_stream.py has the one
+with it); engine transfer params never shown. (Affinity of
 ``previous_response_id`` and retrieval is checked against fakes in tests/unit: vLLM keeps
 responses only with ``VLLM_ENABLE_RESPONSES_API_STORE=1``, which the shared stack does not set.)"""
 

@@ -13,6 +13,7 @@ single-instance recompute.
 from __future__ import annotations
 
 import time
+import uuid
 
 import httpx
 import pytest
@@ -144,3 +145,45 @@ def test_raw_stream_never_carries_transfer_params(http, stack, router):
             raw = r.read()
         assert r.status_code == 200 and b"kv_transfer_params" not in raw
         assert b"remote_block_ids" not in raw
+
+
+def test_streamed_responses_conversation_reads_decode_kv(http, stack, router):
+    """The Responses API, streamed, with the whole conversation resent each turn: decode's
+    events arrive one by one (many text deltas), the answer equals the engine's own, and
+    turns 2-3 read the previous turn's KV from the decode node (D's params came over the
+    feed: vLLM's Responses stream carries none)."""
+    import openai
+
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    p = stack.prefill[0].url
+    kw = {"model": MODEL, "max_output_tokens": 24, "temperature": 0,
+          "instructions": SYSTEM["content"]}
+    history: list[dict] = []
+    for turn, user in enumerate(USERS[:3]):
+        history.append({"role": "user", "content": user})
+        reset_prefix_cache(http, p, retry_s=5)  # what P reuses, it reads
+        own = http.post(stack.decode[0].url + "/v1/responses",
+                        json={"input": history, "cache_salt": uuid.uuid4().hex, **kw}).json()
+        want = "".join(c["text"] for o in own["output"] if o.get("type") == "message"
+                       for c in o["content"] if c.get("type") == "output_text")
+        ext0 = metric(http, p, "vllm:prompt_tokens_by_source_total",
+                      source="external_kv_transfer")
+        dp0 = metric(http, router.url, "kvtier_router_reuse_total", path="dp_read")
+        deltas, text, kinds = 0, "", []
+        for ev in client.responses.create(input=history, stream=True,
+                                          extra_body={"conversation_id": "resp-stream"}, **kw):
+            kinds.append(ev.type)
+            assert "kv_transfer_params" not in ev.model_dump_json()
+            if ev.type == "response.output_text.delta":
+                deltas += 1
+                text += ev.delta
+        ext = metric(http, p, "vllm:prompt_tokens_by_source_total",
+                     source="external_kv_transfer") - ext0
+        dp = metric(http, router.url, "kvtier_router_reuse_total", path="dp_read") - dp0
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+        assert deltas >= 10 and text == want, (turn, deltas, text, want)
+        if turn == 0:
+            assert dp == 0
+        else:
+            assert dp == 1 and ext > 0, (turn, dp, ext)
+        history.append({"role": "assistant", "content": text})

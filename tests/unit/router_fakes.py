@@ -103,8 +103,6 @@ class FakeEngines(httpx.AsyncBaseTransport):
             return httpx.Response(200, json={"source": self.source})
         self.calls.append(Call(url, path, body, {k.lower(): v for k, v in request.headers.items()},
                                raw))
-        if path.startswith("/v1/responses"):
-            return _responses(url, path, body, len(self.calls), self.responses_render_prefix)
         if path == "/tokenize":
             return httpx.Response(200, json={"tokens": _chat_ids(body)})
         queued = self.faults.get(url)
@@ -117,6 +115,14 @@ class FakeEngines(httpx.AsyncBaseTransport):
             if isinstance(fault, str):
                 return _broken(fault, bool(body.get("stream")), request)
             return httpx.Response(int(fault), json={"error": {"message": "injected"}})
+        if path.startswith("/v1/responses"):
+            if (self.feed is not None and body.get("stream") and body.get("kv_transfer_params")
+                    and path == "/v1/responses"):
+                # vLLM's Responses request id is the body's request_id
+                prompt = [*self.responses_render_prefix, *_responses_ids(body)]
+                self.feed(url, FinishedParams(str(body.get("request_id", "resp_x")),
+                                              _d_params(url, prompt), (*prompt, *GEN)))
+            return _responses(url, path, body, len(self.calls), self.responses_render_prefix)
         resp = _answer(url, path, body, self.stream_params)
         if self.feed is not None and body.get("stream") and path.endswith("completions"):
             prompt = _prompt_ids(path, body)

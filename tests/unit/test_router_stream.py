@@ -171,3 +171,46 @@ def test_without_a_feed_an_unnamed_stream_stays_a_stream() -> None:
         assert r.status_code == 200 and len(events(r.text)) == 4
         assert decode_calls(s)[-1].body["stream"] is True
         assert len(s.router.store) == 0
+
+
+def test_a_streamed_responses_turn_keeps_reuse_through_the_feed() -> None:
+    """The Responses API streamed through P/D: decode's own named events relayed as they
+    come (the closing one held until D's params arrived on the feed and were retained), the
+    leg's request id carries the feed tag, and the next turn reads D's KV."""
+    for s in make():
+        turn1 = [{"role": "user", "content": "a streamed responses conversation"}]
+        with s.client.stream("POST", "/v1/responses", json={
+                "model": "tiny", "input": turn1, "stream": True, "conversation_id": "rs"}) as r:
+            assert r.status_code == 200
+            text = "".join(r.iter_text())
+        kinds = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+        assert kinds == ["response.created", *["response.output_text.delta"] * 3,
+                         "response.completed"]
+        assert "kv_transfer_params" not in text
+        leg = [c for c in s.fake.calls if c.path == "/v1/responses" and c.url == D_URL][-1]
+        assert leg.body["stream"] is True and tag_of(leg.body["request_id"]) is not None
+        assert len(s.router.store) == 1
+        rid = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
+        assert s.client.get(f"/v1/responses/{rid}").status_code == 200  # affinity
+        turn2 = [*turn1, {"role": "user", "content": "next"}]
+        r2 = s.client.post("/v1/responses", json={"model": "tiny", "input": turn2,
+                                                  "stream": True, "conversation_id": "rs"})
+        assert r2.headers["x-kvtier-reuse"].startswith("dp_read; tokens=")
+
+
+def test_a_streamed_responses_turn_without_a_feed_is_relayed_without_reuse() -> None:
+    for s in make(feed=False):
+        turn1 = [{"role": "user", "content": "no feed on this decode node"}]
+        r = s.client.post("/v1/responses", json={"model": "tiny", "input": turn1,
+                                                 "stream": True, "conversation_id": "nf"})
+        assert r.status_code == 200 and r.text.count("event: response.output_text.delta") == 3
+        assert len(s.router.store) == 0
+
+
+def test_a_responses_stream_cut_before_its_end_says_so() -> None:
+    for s in make():
+        s.fake.fail(D_URL, "cut")
+        r = s.client.post("/v1/responses", json={"model": "tiny", "input": "x",
+                                                 "stream": True, "conversation_id": "cut"})
+        assert r.status_code == 200
+        assert "event: error" in r.text and "ended the stream early" in r.text
