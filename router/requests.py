@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
@@ -52,6 +52,9 @@ _PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/comp
 # nothing and streams nothing (``max_output_tokens``, ``store``, ``stream`` are set).
 _RESPONSES_PREFILL_DROP = ("stream", "stream_options", "background", "max_output_tokens",
                            "store", "include", "text", "top_logprobs", "enable_response_messages")
+
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class BadRequest(Exception):
@@ -136,18 +139,8 @@ def parse_inbound(endpoint: Endpoint, raw: Any, headers: dict[str, str]) -> Inbo
         raise BadRequest("request body must be a JSON object")
     if endpoint is Endpoint.RESPONSES:
         return _parse_responses(raw, headers)
-    model_cls = _Chat if endpoint is Endpoint.CHAT else _Completion
-    try:
-        req = model_cls.model_validate(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise BadRequest(f"invalid field {loc!r}: {first.get('msg')}", param=loc or None) from None
-    conv, named_by = session_name(raw, headers)
-    if conv is not None and not (0 < len(conv) <= MAX_CONVERSATION_ID_LEN):
-        raise BadRequest(f"{named_by} must be 1..256 characters", param=named_by)
-    body = {k: v for k, v in raw.items()
-            if k not in INBOUND_STRIP_KEYS and k not in _ROUTER_FIELDS}
+    req = _validated(_Chat if endpoint is Endpoint.CHAT else _Completion, raw)
+    conv, body = _named_and_sanitized(raw, headers)
     prompt_ids: tuple[int, ...] | None = None
     batch = False
     if endpoint is Endpoint.COMPLETIONS:
@@ -177,20 +170,32 @@ def parse_inbound(endpoint: Endpoint, raw: Any, headers: dict[str, str]) -> Inbo
     )
 
 
-def _parse_responses(raw: dict[str, Any], headers: dict[str, str]) -> Inbound:
-    """A Responses request for the P/D flow (the caller sends only those without
-    ``previous_response_id`` and ``background`` here)."""
+def _validated(model_cls: type[_M], raw: dict[str, Any]) -> _M:
     try:
-        req = _Responses.model_validate(raw)
+        return model_cls.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
         raise BadRequest(f"invalid field {loc!r}: {first.get('msg')}", param=loc or None) from None
+
+
+def _named_and_sanitized(raw: dict[str, Any], headers: dict[str, str],
+                         ) -> tuple[str | None, dict[str, Any]]:
+    """The conversation the request names (checked), and its body for the engines: no
+    client transfer params, no router-only fields."""
     conv, named_by = session_name(raw, headers)
     if conv is not None and not (0 < len(conv) <= MAX_CONVERSATION_ID_LEN):
         raise BadRequest(f"{named_by} must be 1..256 characters", param=named_by)
     body = {k: v for k, v in raw.items()
             if k not in INBOUND_STRIP_KEYS and k not in _ROUTER_FIELDS}
+    return conv, body
+
+
+def _parse_responses(raw: dict[str, Any], headers: dict[str, str]) -> Inbound:
+    """A Responses request for the P/D flow (the caller sends only those without
+    ``previous_response_id`` and ``background`` here)."""
+    req = _validated(_Responses, raw)
+    conv, body = _named_and_sanitized(raw, headers)
     return Inbound(endpoint=Endpoint.RESPONSES, body=body, model=req.model, stream=req.stream,
                    conversation=ConversationId(conv) if conv else None,
                    client_wants_token_ids=bool(req.enable_response_messages),
