@@ -64,7 +64,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnRecord, bucket_of
-from kvtier.ab.strategies import StrategySpec, builtin
+from kvtier.ab.strategies import StrategySpec, builtin, router_ttl_margin_s
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
 from kvtier.cost.decide import Offer, decide
 from kvtier.cost.hold import HOST_HELD_FRACTION, HoldPolicy
@@ -270,7 +270,7 @@ class _Sim:
         # decode leases (adaptive, online): the router's per-conversation hold policy, capped
         # like the router's at its entry TTL (the device TTL less the router's margin)
         self.hold: HoldPolicy | None = None
-        self.hold_cap = policy.ttl_s - min(30.0, 0.1 * policy.ttl_s)
+        self.hold_cap = policy.ttl_s - router_ttl_margin_s(policy.ttl_s)
         if policy.leases and policy.online_ttl and policy.ttl_s > 0 and "dp_read" in cost.reads:
             self.hold = HoldPolicy(cost, host_copy=policy.host_copy and policy.p2p,
                                    default_hold_s=self.hold_cap, horizon_s=policy.horizon_s)

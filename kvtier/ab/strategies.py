@@ -81,6 +81,20 @@ DEFAULT_DECODE_LEASE_S = 30.0
 MIN_DECODE_LEASE_S = 6.0
 
 
+# vLLM's prefill declines a D->P read within 5 s of the blocks' deadline
+# (_KV_BLOCKS_EXPIRY_SAFETY_MARGIN); the router stops offering a turn this much earlier, plus
+# time for the prefill to reach the read.
+VLLM_READ_MARGIN_S = 5.0
+
+
+def router_ttl_margin_s(ttl_s: float) -> float:
+    """How long before vLLM's decode TTL ends the router stops offering a retained turn: a
+    tenth of it, at least vLLM's read margin plus 3 s (a live host-scarce run with a 30 s TTL
+    and a 3 s margin saw reads declined), at most 30 s, and never more than half the TTL
+    (a time-scaled run's TTL of a few seconds)."""
+    return min(max(0.1 * ttl_s, VLLM_READ_MARGIN_S + 3.0), 30.0, 0.5 * ttl_s)
+
+
 class StrategySpec(BaseModel):
     """One retention strategy, as data. See the module docstring for the five."""
 
@@ -258,8 +272,8 @@ class StrategySpec(BaseModel):
         if self.device_retention:
             ttl = float(self.decode_ttl_s)  # type: ignore[arg-type]
             out["decode_kv_ttl_s"] = ttl
-            # Expire the router's entry a little before D frees the blocks.
-            out["ttl_margin_s"] = min(30.0, 0.1 * ttl)
+            # Expire the router's entry before D frees the blocks, early enough for a read
+            out["ttl_margin_s"] = router_ttl_margin_s(ttl)
         if self.leases:
             out["decode_lease_s"] = self.decode_lease_s
             out["host_copy"] = self.host_copy

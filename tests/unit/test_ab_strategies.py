@@ -169,3 +169,13 @@ def test_leases_scale_with_time_but_not_below_the_read_window():
     assert tiny.kv_transfer_config()["kv_connector_extra_config"]["connectors"][0][
         "kv_connector_extra_config"]["decode_lease_s"] == MIN_DECODE_LEASE_S
     assert s.scaled(1.0) == s
+
+
+def test_the_routers_ttl_margin_leaves_room_for_vllms_read_margin() -> None:
+    from kvtier.ab.strategies import VLLM_READ_MARGIN_S, router_ttl_margin_s
+
+    assert router_ttl_margin_s(480.0) == 30.0
+    assert router_ttl_margin_s(30.0) >= VLLM_READ_MARGIN_S + 3.0  # was 3 s: reads declined
+    assert router_ttl_margin_s(2.0) == 1.0  # a time-scaled run: half of it
+    for ttl in (0.5, 3.0, 30.0, 120.0, 480.0, 900.0):
+        assert 0 < router_ttl_margin_s(ttl) < ttl
