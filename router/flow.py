@@ -433,7 +433,9 @@ class Router(DecodeLeg):
                 if inb.stream:
                     stream = await self.legs.open_stream(inst, "direct", inb.endpoint.path,
                                                          body, headers)
-                    return Reply(200, stream=self._relay(stream, inst, None, None, "", None),
+                    relay = (self._relay_responses if inb.endpoint is Endpoint.RESPONSES
+                             else self._relay)
+                    return Reply(200, stream=relay(stream, inst, None, None, "", None),
                                  info=info, reuse=report)
                 resp = await self.legs.post_json(inst, "direct", inb.endpoint.path, body,
                                                  headers, self.cfg.timeouts.decode_idle_s)

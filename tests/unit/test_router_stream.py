@@ -214,3 +214,17 @@ def test_a_responses_stream_cut_before_its_end_says_so() -> None:
                                                  "stream": True, "conversation_id": "cut"})
         assert r.status_code == 200
         assert "event: error" in r.text and "ended the stream early" in r.text
+
+
+def test_a_streamed_responses_turn_whose_prefill_fails_is_served_whole_on_decode() -> None:
+    """No prefill answers: the request is served on the decode instance (direct), and its
+    Responses stream is relayed as Responses events, not judged by chat's [DONE] rule."""
+    for s in make():
+        s.fake.fail(P_URL, 503, 503, 503, 503)
+        r = s.client.post("/v1/responses", json={"model": "tiny", "input": "x",
+                                                 "stream": True, "conversation_id": "d"})
+        assert r.status_code == 200
+        kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed", r.text
+        assert "error" not in r.text and "[DONE]" not in r.text, r.text
+        assert s.metric("kvtier_router_retries_total", leg="prefill", action="recompute") == 1
