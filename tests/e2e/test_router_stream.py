@@ -149,7 +149,7 @@ def test_raw_stream_never_carries_transfer_params(http, stack, router):
 
 def test_streamed_responses_conversation_reads_decode_kv(http, stack, router):
     """The Responses API, streamed, with the whole conversation resent each turn: decode's
-    events arrive one by one (many text deltas), the answer equals the engine's own, and
+    events arrive as they come (several text deltas), the answer equals the engine's own, and
     turns 2-3 read the previous turn's KV from the decode node (D's params came over the
     feed: vLLM's Responses stream carries none)."""
     import openai
@@ -181,7 +181,9 @@ def test_streamed_responses_conversation_reads_decode_kv(http, stack, router):
                      source="external_kv_transfer") - ext0
         dp = metric(http, router.url, "kvtier_router_reuse_total", path="dp_read") - dp0
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
-        assert deltas >= 10 and text == want, (turn, deltas, text, want)
+        # streamed, not one answer at the end; vLLM merges tokens into fewer deltas when its
+        # consumer lags (a loaded CI run saw 2 for 24 tokens), so no count beyond that
+        assert deltas >= 2 and text == want, (turn, deltas, text, want)
         if turn == 0:
             assert dp == 0
         else:
