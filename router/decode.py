@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvtier.router.config import RouterConfig
@@ -34,6 +34,7 @@ from kvtier.router.sse import (
     clean_named_event,
     completion_events,
     error_event,
+    named_events,
     responses_error_event,
     strip_params,
 )
@@ -110,8 +111,8 @@ class DecodeLeg:
                 if upstream_stream:
                     stream = await self.legs.open_stream(d, "decode", inb.endpoint.path, body,
                                                          leg_headers)
-                    relay = (self._relay_responses if inb.endpoint is Endpoint.RESPONSES
-                             else self._relay)(stream, d, tag, conv if tag else None, tenant, ids)
+                    relay = self._relay_for(inb)(stream, d, tag, conv if tag else None,
+                                                 tenant, ids)
                     return Reply(200, stream=relay, info=info, reuse=report)
                 resp = await self.legs.post_json(d, "decode", inb.endpoint.path, body, headers,
                                                  self.cfg.timeouts.decode_idle_s)
@@ -136,6 +137,10 @@ class DecodeLeg:
                                                    len(ids)))
             return self._answer(inb, resp, info, report)
         return await self._exhausted(run, None, inb, headers, report.outcome)
+
+    def _relay_for(self, inb: Inbound) -> Callable[..., AsyncIterator[bytes]]:
+        """How a decode (or direct) leg's stream is relayed: Responses events or chunks."""
+        return self._relay_responses if inb.endpoint is Endpoint.RESPONSES else self._relay
 
     async def _relay(self, stream: AsyncIterator[bytes], d: InstanceState, tag: str | None,
                      conv: ConversationId | None, tenant: str,
@@ -194,20 +199,15 @@ class DecodeLeg:
         its final state, no ``[DONE]``) with engine transfer params taken out. With a feed
         ``tag``, hold that last event until the decode node's params for this leg arrived
         (or ``params_wait_s`` passed) and are retained, as ``_relay`` holds ``[DONE]``."""
-        buf, last = b"", None
+        last = None
         try:
             try:
-                async for chunk in stream:
-                    buf += chunk
-                    while b"\n\n" in buf:
-                        event, buf = buf.split(b"\n\n", 1)
-                        if not event.strip():
-                            continue
-                        out, kind, _ = clean_named_event(event)
-                        if kind in RESPONSE_END_TYPES:
-                            last = out
-                            continue
-                        yield out
+                async for event in named_events(stream):
+                    out, kind, _ = clean_named_event(event)
+                    if kind in RESPONSE_END_TYPES:
+                        last = out
+                        continue
+                    yield out
             except StreamBroken as e:
                 yield responses_error_event(str(e))
                 return

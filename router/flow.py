@@ -433,9 +433,8 @@ class Router(DecodeLeg):
                 if inb.stream:
                     stream = await self.legs.open_stream(inst, "direct", inb.endpoint.path,
                                                          body, headers)
-                    relay = (self._relay_responses if inb.endpoint is Endpoint.RESPONSES
-                             else self._relay)
-                    return Reply(200, stream=relay(stream, inst, None, None, "", None),
+                    return Reply(200, stream=self._relay_for(inb)(stream, inst, None, None,
+                                                                  "", None),
                                  info=info, reuse=report)
                 resp = await self.legs.post_json(inst, "direct", inb.endpoint.path, body,
                                                  headers, self.cfg.timeouts.decode_idle_s)
@@ -495,4 +494,3 @@ def _prompt_ids_of(endpoint: Endpoint, resp: dict[str, Any]) -> tuple[int, ...] 
     if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
         return tuple(ids)
     return None
-

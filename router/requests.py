@@ -37,8 +37,8 @@ _ROUTER_FIELDS = ("conversation_id",)
 class Endpoint(str, Enum):
     CHAT = "chat"
     COMPLETIONS = "completions"
-    # OpenAI's Responses API, non-streaming and without ``previous_response_id`` (the rest
-    # is passed through: router/responses.py)
+    # OpenAI's Responses API, for a whole conversation sent as input (``previous_response_id``,
+    # a ``conversation`` object and ``background`` are passed through: router/responses.py)
     RESPONSES = "responses"
 
     @property

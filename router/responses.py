@@ -51,7 +51,12 @@ from kvtier.router.flow import Router
 from kvtier.router.pool import InstanceState
 from kvtier.router.reply import Reply
 from kvtier.router.requests import Endpoint, forward_headers
-from kvtier.router.sse import clean_named_event, responses_error_event, strip_transfer_params
+from kvtier.router.sse import (
+    clean_named_event,
+    named_events,
+    responses_error_event,
+    strip_transfer_params,
+)
 from starlette.routing import Route
 
 from kvtier.ids import PodId
@@ -195,15 +200,9 @@ def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str 
                 return error(502, "upstream answered garbage", "upstream_error")
 
         async def relay() -> AsyncIterator[bytes]:
-            buf = b""
             try:
-                async for chunk in resp.aiter_bytes():
-                    buf += chunk
-                    while b"\n\n" in buf:
-                        event, buf = buf.split(b"\n\n", 1)
-                        yield remembered(event, tenant, inst.name)
-                if buf.strip():
-                    yield remembered(buf, tenant, inst.name)
+                async for event in named_events(resp.aiter_bytes()):
+                    yield remembered(event, tenant, inst.name)
             except httpx.HTTPError:
                 yield responses_error_event("upstream stream broke")
             finally:

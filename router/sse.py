@@ -204,6 +204,20 @@ def clean_named_event(event: bytes) -> tuple[bytes, str | None, str | None]:
     return b"\n".join(out) + b"\n\n", kind, rid
 
 
+async def named_events(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The events of an SSE stream, one by one, without their blank-line ends; a trailing
+    partial event when the stream ends."""
+    buf = b""
+    async for chunk in stream:
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            if event.strip():
+                yield event
+    if buf.strip():
+        yield buf
+
+
 def responses_error_event(message: str) -> bytes:
     return (b"event: error\ndata: " + json.dumps({"type": "error", "message": message})
             .encode() + b"\n\n")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvtier.cost.model import CostModel
 from kvtier.cost.retention import MAX_TTL_S, WaitSample, choose_device_ttl
@@ -39,6 +40,8 @@ from kvtier.cost.retention import MAX_TTL_S, WaitSample, choose_device_ttl
 # A host copy "held" the previous turn when a host tier still has at least this share of its
 # tokens (the router asks the indexer; the simulator its host tiers).
 HOST_HELD_FRACTION = 0.5
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,7 @@ class HoldPolicy:
         """The conversation's next turn came ``wait_s`` after a turn that left ``tokens``."""
         s = WaitSample(max(0.0, wait_s), max(0, tokens))
         self._fleet.append(s)
-        q = self._conv.get(conversation)
-        if q is None:
-            if len(self._conv) >= self._max_conv:  # forget the oldest conversation
-                self._conv.pop(next(iter(self._conv)))
-            q = self._conv[conversation] = deque(maxlen=32)
-        q.append(s)
+        self._of(self._conv, conversation, 32).append(s)
 
     def observe_host(self, conversation: str, held: bool) -> None:
         """At a continuation turn of ``conversation``: whether a host tier still held (most
@@ -87,12 +85,17 @@ class HoldPolicy:
         if not self.host_copy:
             return
         self._fleet_host.append(held)
-        q = self._conv_host.get(conversation)
+        self._of(self._conv_host, conversation, 8).append(held)
+
+    def _of(self, per_conv: dict[str, deque[_T]], conversation: str, maxlen: int) -> deque[_T]:
+        """``conversation``'s samples in ``per_conv``, made when missing (forgetting the oldest
+        conversation beyond ``max_conversations``)."""
+        q = per_conv.get(conversation)
         if q is None:
-            if len(self._conv_host) >= self._max_conv:
-                self._conv_host.pop(next(iter(self._conv_host)))
-            q = self._conv_host[conversation] = deque(maxlen=8)
-        q.append(held)
+            if len(per_conv) >= self._max_conv:
+                per_conv.pop(next(iter(per_conv)))
+            q = per_conv[conversation] = deque(maxlen=maxlen)
+        return q
 
     def host_odds(self, conversation: str) -> float:
         """The chance that a host copy serves ``conversation``'s next turn (module docstring)."""

@@ -101,7 +101,8 @@ class LocalStack:
                     self.instances.append(self._spawn(ispec))
                     if one_by_one:
                         self._wait_ready()
-                self._wait_ready()
+                if not one_by_one:
+                    self._wait_ready()
                 self._place()
                 return
             except StackStartError as e:
