@@ -180,24 +180,34 @@ def strip_transfer_params(obj: Any) -> Any:
 
 def clean_named_event(event: bytes) -> tuple[bytes, str | None, str | None]:
     """One Responses SSE event (without its blank-line end) with engine transfer params taken
-    out, ended again; its ``type`` and, for ``response.created``, the response's id."""
+    out, ended again; its type and, for ``response.created``, the response's id.
+
+    The type comes from the ``event:`` line vLLM sends; a data line is parsed only when it
+    names the params, is a ``response.created`` (the id), or the event had no ``event:``
+    line (the type then comes from the data). A data line that names the params and is not
+    JSON is dropped rather than leaked, as in chat streams (``strip_params``)."""
     kind: str | None = None
     rid: str | None = None
     out = []
     for line in event.split(b"\n"):
-        if line.startswith(b"data:"):
+        if line.startswith(b"event:"):
+            kind = line[6:].strip().decode(errors="replace") or None
+        elif line.startswith(b"data:") and (_PARAMS in line or kind in (None, "response.created")):
             try:
                 data = json.loads(line[5:])
             except ValueError:
+                if _PARAMS in line:
+                    continue
                 out.append(line)
                 continue
             if isinstance(data, dict):
-                kind = data.get("type") if isinstance(data.get("type"), str) else None
+                if isinstance(data.get("type"), str):
+                    kind = data["type"]
                 resp = data.get("response")
                 if kind == "response.created" and isinstance(resp, dict) \
                         and isinstance(resp.get("id"), str):
                     rid = resp["id"]
-                if b"kv_transfer_params" in line:
+                if _PARAMS in line:
                     line = b"data: " + json.dumps(strip_transfer_params(data),
                                                   separators=(",", ":")).encode()
         out.append(line)

@@ -35,3 +35,21 @@ def test_no_usage_chunk_unless_asked():
     chunks = parse(completion_events(resp, False))
     assert len(chunks) == 1 and chunks[0]["choices"][0]["text"] == "xyz"
     Completion.model_validate({**chunks[0], "object": "text_completion"})
+
+
+def test_a_responses_event_is_cleaned_typed_and_its_id_read() -> None:
+    from kvtier.router.sse import clean_named_event
+
+    created = (b'event: response.created\ndata: {"type":"response.created","response":'
+               b'{"id":"resp_1","kv_transfer_params":{"remote_host":"10.0.0.9"}}}')
+    out, kind, rid = clean_named_event(created)
+    assert (kind, rid) == ("response.created", "resp_1")
+    assert b"kv_transfer_params" not in out and out.endswith(b"\n\n")
+    # a delta is relayed as it came (not re-encoded), typed by its event line
+    delta = b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta"}'
+    assert clean_named_event(delta) == (delta + b"\n\n", "response.output_text.delta", None)
+    # no event line: typed from the data
+    assert clean_named_event(b'data: {"type":"response.completed"}')[1] == "response.completed"
+    # a data line that names the params but is not JSON is dropped, never leaked
+    out, _, _ = clean_named_event(b'event: x\ndata: {"kv_transfer_params": broken')
+    assert b"kv_transfer_params" not in out
