@@ -69,11 +69,42 @@ class StackPool:
             self._lock = None
 
 
+_POOLS: list[StackPool] = []
+
+
 @pytest.fixture(scope="session")
 def stack_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackPool]:
     pool = StackPool(tmp_path_factory.mktemp("stacks"))
+    _POOLS.append(pool)
     yield pool
     pool.release()
+    _POOLS.remove(pool)
+
+
+_NOTABLE = ("ERROR", "WARNING", "Error", "Traceback", "timed out", "Timeout")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that ran on a stack gets its engines' notable log lines (warnings, errors,
+    tracebacks; the last 12 of each instance) as a report section: a CI run keeps nothing else
+    of them, and an engine-side hang or refusal is otherwise invisible there."""
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    if rep.when != "call" or not rep.failed:
+        return
+    for pool in _POOLS:
+        if pool.current is None:
+            continue
+        for inst in pool.current.instances:
+            try:
+                lines = inst.log_path.read_text(errors="replace").splitlines()
+            except OSError as e:
+                rep.sections.append((f"engine log {inst.spec.name}", f"unreadable: {e}"))
+                continue
+            notable = [ln[-300:] for ln in lines if any(k in ln for k in _NOTABLE)][-12:]
+            rep.sections.append((f"engine log {inst.spec.name} ({inst.log_path})",
+                                 "\n".join(notable) or "(no warnings or errors)"))
 
 
 # e2e modules that share a stack spec run back to to back, so the pool starts
