@@ -114,6 +114,16 @@ def test_demo_sentences_come_from_the_records():
     assert "At the longest context (~900 tokens)" in text
     assert "device-ttl/recompute" in text and ": faster)" in text
     assert "the decode node held on average: recompute 0.0 MiB" in text
+    assert "decided per turn" not in text  # no leased strategy, no sentence about its choices
+
+
+def test_demo_says_what_tiered_adaptive_chose():
+    from kvtier.ab.live.demo import explain
+
+    text = explain([run("recompute", 1.0, False), _leased()], 2048, 32)
+    assert ("tiered-adaptive decided per turn, online: 5 turns held on the decode node, "
+            "1 released at once") in text
+    assert "4 next turns read from the decode node" in text
 
 
 def _leased() -> RunResult:

@@ -6,7 +6,9 @@ a KV read costs on this CPU stack, so the old demo (tiny, ~1k tokens) showed reu
 This one serves the ``bench`` preset (88M parameters; ~2.8 s to prefill 2k tokens on a 2-core
 EPYC) with two agentic conversations whose context grows from ~1.5k to ~2.5k tokens, and
 compares recompute, device retention (``device-ttl``: the decode node keeps the turn, the next
-prefill reads it D->P) and the host tier (``host-p2p``). It ends with the computed tokens each
+prefill reads it D->P), the host tier (``host-p2p``) and ``tiered-adaptive`` (host tier plus decode
+leases: the router holds or releases each retained turn online, from a cost model fitted to the
+three runs before it). It ends with the computed tokens each
 strategy saved, the memory each held while the tools ran, and two plain sentences: how much
 faster the next turn was at the longest context, and how much device memory each strategy held.
 
@@ -26,7 +28,7 @@ from kvtier.ab.live.ab import run_ab
 from kvtier.ab.records import RunResult
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, WaitDist, synthetic
 
-DEMO_STRATEGIES = "recompute,device-ttl,host-p2p"
+DEMO_STRATEGIES = "recompute,device-ttl,host-p2p,tiered-adaptive"
 DEMO_MODEL = "bench"
 DEMO_MAX_MODEL_LEN = 4096
 
@@ -115,4 +117,13 @@ def explain(results: list[RunResult], kvbpt: int, block_size: int) -> str:
                     f"MiB (peak {_mib(r.device_blocks_peak(), block_size, kvbpt):.1f})")
     lines.append("While the tools ran, the decode node held on average: " + ", ".join(held)
                  + "; host tiers held what the table's last column says, in host memory.")
+    for r in results:
+        choices = r.hold_choices()
+        if choices:
+            held_n = sum(c["held"] for c in choices.values())
+            released = sum(c["released"] for c in choices.values())
+            reads = sum(c["dp_reads"] for c in choices.values())
+            lines.append(f"{r.strategy} decided per turn, online: {held_n} turns held on the "
+                         f"decode node, {released} released at once (the host copy or "
+                         f"recompute was as cheap), {reads} next turns read from the decode node.")
     return "\n".join(lines)
