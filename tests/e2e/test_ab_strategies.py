@@ -23,6 +23,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 RESULTS: dict[str, RunResult] = {}
 
 
+# A tiny-model turn takes seconds even on a loaded CI machine; a leg that hangs (one decode
+# leg did, once, in CI) fails its turn after this instead of the A/B default of 600 s.
+E2E_TURN_TIMEOUT_S = 90.0
+
+
 def short_trace() -> Trace:
     convs = [ConversationSpec(f"c{k}", 0.3 * k, 100 + k,
                               [TurnSpec(200, 16, 0.0), TurnSpec(96, 16, 0.5),
@@ -36,9 +41,8 @@ def _registered(connector: str) -> bool:
     MultiConnector rebuilds each child's stats by class name from that registry in the API
     server, so an unregistered child (loaded by module path) crashes it at the first stats
     record."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
     from kvtier.connectors import register
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     register()
     try:
@@ -59,6 +63,7 @@ def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
         assert _registered("KVTierNixlConnector"), "kvtier.connectors.register misses it"
     stack = stack_pool.get(stack_spec_for(spec, tiny_model))
     opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
+                      turn_timeout_s=E2E_TURN_TIMEOUT_S,
                       progress=False, sample_interval_s=0.2)
     res = run_strategy(spec, short_trace(), opts, stack=stack)
     RESULTS[name] = res
@@ -98,6 +103,7 @@ def test_adaptive_short_ttl_hands_long_waits_to_the_host_copy(stack_pool, tiny_m
                               [TurnSpec(200, 16, 0.0), TurnSpec(96, 16, 3.0),
                                TurnSpec(64, 16, 3.0)]) for k in range(2)]
     opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
+                      turn_timeout_s=E2E_TURN_TIMEOUT_S,
                       progress=False, sample_interval_s=0.2)
     res = run_strategy(spec, Trace("e2e-waits", 4096, convs), opts, stack=stack)
     assert [t.error for t in res.turns if not t.ok] == []
@@ -164,6 +170,7 @@ def test_tiered_adaptive_holds_per_conversation_through_decode_leases(stack_pool
         ConversationSpec("short", 68.0, 302, [TurnSpec(300, 16, 0.0)]
                          + [TurnSpec(64, 16, 2.0)] * 4)])
     opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
+                      turn_timeout_s=E2E_TURN_TIMEOUT_S,
                       progress=False, sample_interval_s=0.25)
     res = run_strategy(spec, trace, opts, stack=stack)
     assert [t.error for t in res.turns if not t.ok] == []
