@@ -5,12 +5,15 @@ A live ``ab`` starts each strategy's stack in turn (``kvtier.ab.live.sweep``,
 ``kvtier.ab.live.runner``), replays the trace, then fits a cost model to the run's own turns
 (in-sample), replays the same trace through the simulator with it and reports the
 simulator's error next to the measurements. ``--simulate`` runs only the simulator (cost
-model from ``--cost FILE`` or the built-in prior). ``ab-report`` re-renders a live run's
-report from its ``report.json`` with this checkout's code.
+model from ``--cost FILE`` or the built-in prior); with a TTFT p90 SLO (``--slo-ttft-p90``, else
+the regime's ``slo_ttft_p90_s``) it then sizes the fleet: the concurrent sessions each
+strategy holds at the SLO (``kvtier.ab.sizing``; ``sizing.md``, ``sizing.json``). ``ab-report``
+re-renders a live run's report from its ``report.json`` with this checkout's code.
 
 A trace file that carries a regime (``kvtier.ab.regimes``) brings its stack settings: time
 scale, context cap, device TTL, host tier size, the decode nodes' KV capacity; a flag given on
-the command line wins over the file. The simulator models none of the capacity limits.
+the command line wins over the file. The report's simulation models none of the capacity
+limits; the sizing gives its decode instances the regime's KV capacity (``decode_num_blocks``).
 
 Threading model: each command runs on the caller's thread (the runner owns its helper
 threads).
@@ -80,6 +83,8 @@ def _flags(args: argparse.Namespace) -> list[str]:
 def run_ab(args: argparse.Namespace) -> int:
     """``kvtier ab``: the report of every strategy on one trace, live or simulated."""
     quiet_http_logs()
+    if getattr(args, "slo_ttft_p90", None) is not None and not args.simulate:
+        raise SystemExit("--slo-ttft-p90 sizes the fleet by simulation: add --simulate")
     model_dir = resolve_model(args.model)
     regime = (read_regime(args.trace) if args.trace else None) or RegimeSettings()
     # the command line wins over the regime file; `_flags` then repeats the values used
@@ -131,6 +136,9 @@ def run_ab(args: argparse.Namespace) -> int:
         md = write_report(results, out, meta)
         print(summary_table(results))
         print(f"\nreport: {md}")
+        slo = getattr(args, "slo_ttft_p90", None) or regime.slo_ttft_p90_s
+        if slo:
+            run_sizing(args, trace, specs, cost, regime, float(slo), out)
         return 0
 
     from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy
@@ -165,6 +173,36 @@ def run_ab(args: argparse.Namespace) -> int:
     if sw.interrupted:
         return 130
     return 0 if not sw.failed and all(r.ok_turns for r in sw.results) else 1
+
+
+def run_sizing(args: argparse.Namespace, trace: Trace, specs: list[StrategySpec], cost: CostModel,
+               regime: RegimeSettings, slo: float, out: Path) -> None:
+    """The sessions each strategy holds at TTFT p90 ≤ ``slo`` on the ``--prefill``/``--decode``
+    fleet (decode KV capacity: the regime's, if any): printed, and written to ``out``."""
+    import msgspec
+    from tqdm import tqdm
+
+    from kvtier.ab.simulator import FleetSpec
+    from kvtier.ab.sizing import DEFAULT_MAX_SESSIONS, size_for_slo
+
+    fleet = FleetSpec(prefill=args.prefill, decode=args.decode, block_size=args.block_size,
+                      **({"device_blocks_per_decode": regime.decode_num_blocks}
+                         if regime.decode_num_blocks else {}))
+    with tqdm(desc=f"sizing at TTFT p90 <= {slo:g} s", unit="sim",
+              disable=bool(getattr(args, "no_progress", False))) as bar:
+        def tick(strategy: str, sessions: int, p90: float) -> None:
+            bar.set_postfix_str(f"{strategy}: {sessions} sessions, p90 {p90:.2f} s",
+                                refresh=False)
+            bar.update()
+
+        answer = size_for_slo(trace, specs, fleet, cost, slo,
+                              max_sessions=getattr(args, "max_sessions", None)
+                              or DEFAULT_MAX_SESSIONS, progress=tick)
+    (out / "sizing.json").write_bytes(msgspec.json.format(msgspec.json.encode(answer)) + b"\n")
+    (out / "sizing.md").write_text(answer.report())
+    print(f"\nSessions held at TTFT p90 <= {slo:g} s (simulated):\n")
+    print(answer.markdown())
+    print(f"\nsizing: {out / 'sizing.md'}")
 
 
 def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wall_trace: Trace,

@@ -1,7 +1,8 @@
 """``kvtier ab``, ``kvtier calibrate`` and ``kvtier demo``.
 
     kvtier ab [--strategies recompute,device-ttl,host-p2p,tiered] [--trace FILE|--synthetic]
-              [--out DIR] [--model tiny|bench|PATH] [--time-scale X] [--simulate]
+              [--out DIR] [--model tiny|bench|PATH] [--time-scale X]
+              [--simulate [--slo-ttft-p90 SECONDS [--max-sessions N]]]
     kvtier calibrate [--model tiny] [--stack ROUTER_URL] [--simulate] [--out FILE]
     kvtier demo [--model bench] [--strategies recompute,device-ttl,host-p2p]
 
@@ -9,7 +10,10 @@ A live ``ab`` starts each strategy's stack in turn, replays the trace, then fits
 a cost model to the run's own turns (in-sample), replays the same trace through
 the simulator with it and reports the simulator's error next to the
 measurements. ``--simulate`` runs only the simulator (cost model from
-``--cost FILE`` or ``kvtier calibrate``'s defaults).
+``--cost FILE`` or ``kvtier calibrate``'s defaults); with ``--slo-ttft-p90`` (or a
+regime trace's SLO) it then sizes the fleet: the most concurrent sessions of the
+trace (copies of its conversations) each strategy holds with a simulated TTFT
+p90 within the SLO (sizing.md, sizing.json).
 
 Threading model: each command runs on the caller's thread (the runner owns its
 helper threads).
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from kvtier.ab.live.ab import run_ab, run_ab_report
 from kvtier.ab.live.calibrate import run_calibrate
@@ -36,6 +41,22 @@ def _positive_int(v: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def _positive_float(v: str) -> float:
+    x = float(v)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return x
+
+
+def _ab(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """``kvtier ab``, with the checks that span flags (an argparse error, like the others)."""
+    def run(args: argparse.Namespace) -> int:
+        if args.slo_ttft_p90 is not None and not args.simulate:
+            p.error("--slo-ttft-p90 sizes the fleet by simulation: it needs --simulate")
+        return run_ab(args)
+    return run
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -74,9 +95,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--cost", help="CostModel JSON (from kvtier calibrate --out)")
     p.add_argument("--simulate", action="store_true",
                    help="run the discrete-event simulator instead of the live stack")
+    p.add_argument("--slo-ttft-p90", type=_positive_float, default=None, metavar="SECONDS",
+                   help="with --simulate: also size the fleet -- the concurrent sessions each "
+                        "strategy holds at this TTFT p90 (default: the regime file's SLO, if any)")
+    p.add_argument("--max-sessions", type=_positive_int, default=None,
+                   help="the sizing searches up to this many sessions (default 512)")
     _common(p)
     # None: the regime file's max_model_len, else 4096 (kvtier.ab.live.ab.run_ab)
-    p.set_defaults(func=run_ab, max_model_len=None)
+    p.set_defaults(func=_ab(p), max_model_len=None)
 
     c = subparsers.add_parser("calibrate", help="fit the cost model; print thresholds")
     c.add_argument("--stack", help="router URL of a running stack (default: start a local one)")
