@@ -68,6 +68,10 @@ class TurnRecord(msgspec.Struct):
     hold_basis: str = ""
     hold_samples: int = 0
     hold_why: str = ""
+    # Seconds the turn waited, after its prefill, for KV blocks on its decode instance before
+    # it started decoding; part of ``ttft_s``. Set by the simulator (0 in live runs, whose
+    # decode queue time is in the engines' metrics, ``meta["engine"]``).
+    decode_wait_s: float = 0.0
 
 
 class MemorySample(msgspec.Struct):

@@ -12,13 +12,30 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   service = KV read (if any) + prefill of the rest (`CostModel.ttft_s`) + the P→D hand-off
   of the whole prompt when the cost model has a ``"pd_transfer"`` link; the read shares the
   instance like the compute does (as in the fit), and ``transfer_s`` records its unshared time.
-- **Decode instances** batch (no queue); a conversation sticks to the decode instance its
-  first turn was given (fewest blocks in use). A turn occupies ``ceil(context/block)``
-  device blocks for ``response_tokens × decode_s_per_token``; e2e = TTFT + that.
+- **Decode instances** admit by memory (`kvtier.ab.sim_decode`). A conversation sticks to
+  the decode instance its first turn was given (fewest blocks in use). When a turn's prefill
+  (and hand-off) is done it needs ``ceil(context/block)`` device blocks (context = prompt +
+  response) on that instance; it starts decoding only if they fit in the free blocks
+  (``device_blocks_per_decode`` less those of running turns and of retained KV), else it
+  waits in the instance's FIFO queue. Waiting turns are let in, in order, whenever blocks free
+  up (a turn finishing without retention, a retention expiring, or the next prefill reading
+  or forgoing one); the head of the queue blocks those behind it, as in vLLM's scheduler.
+  Admitted turns decode concurrently (batched, no interference) and hold their blocks for
+  ``response_tokens × decode_s_per_token``. TTFT = arrival → start of decoding (the client's
+  first token comes from the decode stream), so the wait at the decode is part of it and is
+  recorded in the turn's ``decode_wait_s``; e2e = TTFT + decode time. A turn needing more
+  blocks than a decode instance has raises ValueError before the replay (it could never start).
 - **Device retention** (``device-ttl``, ``tiered*``): when a turn finishes, its decode keeps
   the conversation's blocks for ``decode_ttl_s`` (fixed, not renewed: vLLM's behaviour),
-  or until the next turn's prefill has read them, or until an arriving turn needs the room
-  (oldest retention evicted first). Retained blocks over time → block-seconds.
+  or until the next turn's prefill has read them. They count against the decode's capacity.
+  By default (``FleetSpec.decode_retained="pinned"``) they are not freed for a waiting turn,
+  which waits until the retention ends: vLLM frees a retained request's blocks only at its
+  TTL or when a prefill reads them, and this memory-versus-reuse trade-off is what the A/B
+  measures. With decode leases (``leases``) the chosen hold pins the same way for as long as
+  it lasts (a hold of 0 frees the blocks at once). ``"evictable"`` instead evicts retained KV
+  (oldest first, the waiting turn's own conversation last) when that lets the head of the
+  queue in: an idealised decode treating retention as a cache, and the simulator's rule
+  before decode admission was modelled. Retained blocks over time → block-seconds.
 - **Host copies** (``host-p2p``, ``tiered*``): a finished turn's context (prompt and
   generated tokens) is stored in its decode pod's host tier, replacing the conversation's
   older copy; LRU eviction at ``host_bytes_per_pod``; held until evicted (no TTL). Bytes held
@@ -45,6 +62,11 @@ What is modelled (and what the live run measures the same way, so `compare` is f
 Not modelled: the shape of vLLM's batching beyond processor sharing (token budgets per
 step, chunk boundaries, a batch's cost not being the sum of its parts), network contention
 between concurrent reads apart from that sharing, decode-side compute interference.
+On the decode: preemption (vLLM preempts running requests under memory pressure and
+recomputes them later; here a running turn keeps its blocks to the end and only arrivals
+wait), blocks growing as tokens are generated (a turn takes its whole context's blocks at
+admission), vLLM's reserved null block, and the order of hand-off and admission (the P→D
+hand-off is in the prefill's service, before the wait; a real decode allocates, then pulls).
 
 Threading model: `simulate` is a pure function of its arguments (no globals, no clock,
 no randomness), single-threaded; the same inputs give the same `RunResult`.
@@ -64,6 +86,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnRecord, bucket_of
+from kvtier.ab.sim_decode import DecodeInstance, Retained
 from kvtier.ab.strategies import StrategySpec, builtin, router_ttl_margin_s
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
 from kvtier.cost.decide import Offer, decide
@@ -94,37 +117,15 @@ class FleetSpec(BaseModel):
     # How a prefill instance serves overlapping turns: "ps" processor sharing (vLLM batches
     # them; what kvtier.ab.fit assumes), "fifo" one at a time.
     prefill_sharing: Literal["ps", "fifo"] = "ps"
+    # What retained device KV does when a turn is waiting for room on its decode instance:
+    # "pinned" stays until its TTL or hold ends or the next prefill reads it (vLLM's
+    # behaviour: the turn waits); "evictable" is evicted, oldest first, when that lets the
+    # turn in (an idealised decode treating retention as a cache; the rule before decode
+    # admission was modelled).
+    decode_retained: Literal["pinned", "evictable"] = "pinned"
 
 
 # ------------------------------------------------------------------------------- state
-
-
-@dataclass
-class _Retained:
-    conv: ConversationId
-    blocks: int
-    tokens: int  # context tokens held (prompt + generated)
-    expires: float
-
-
-@dataclass
-class _Decode:
-    active_blocks: int = 0
-    retained: OrderedDict[ConversationId, _Retained] = field(default_factory=OrderedDict)
-    retained_total: int = 0  # sum of retained[*].blocks, kept incrementally (sampled every event)
-
-    def retained_blocks(self) -> int:
-        return self.retained_total
-
-    def retain(self, r: _Retained) -> None:
-        self.release(r.conv)
-        self.retained[r.conv] = r
-        self.retained_total += r.blocks
-
-    def release(self, conv: ConversationId) -> None:
-        r = self.retained.pop(conv, None)
-        if r is not None:
-            self.retained_total -= r.blocks
 
 
 @dataclass
@@ -248,7 +249,9 @@ class _Sim:
         self.trace, self.p, self.fleet, self.cost = trace, policy, fleet, cost
         self.bs = fleet.block_size
         self.prefills = [_Prefill() for _ in range(fleet.prefill)]
-        self.decodes = [_Decode() for _ in range(fleet.decode)]
+        self.decodes = [DecodeInstance(fleet.device_blocks_per_decode,
+                                       evict_retained=fleet.decode_retained == "evictable")
+                        for _ in range(fleet.decode)]
         self.hosts = [_Host(fleet.host_bytes_per_pod) for _ in range(fleet.decode)]
         self.convs: dict[ConversationId, ConversationSpec] = {c.conversation_id: c for c in trace.conversations}
         self.plans: dict[ConversationId, list[TurnPlan]] = {k: turn_plan(c) for k, c in self.convs.items()}
@@ -258,9 +261,11 @@ class _Sim:
         self.records: list[TurnRecord] = []
         self.memory: list[MemorySample] = []
         self.pending: dict[tuple[ConversationId, int], dict] = {}
-        self.dev_total = 0  # retained device blocks, all decodes (kept incrementally: sampled every event)
         self.host_total = 0  # host bytes held, all pods
-        self.counters = {"evicted_device": 0, "expired_device": 0, "decode_overcommit": 0}
+        self.counters = {"evicted_device": 0, "expired_device": 0, "decode_queued": 0}
+        # turns whose prefill is done, waiting on their decode instance: (pending, ready at)
+        self.ready: dict[tuple[ConversationId, int], tuple[dict, float]] = {}
+        self.check_fits()
         self.now = 0.0
         # adaptive: tool waits seen so far (bounded window) -> the device TTL, re-chosen online
         self.waits: deque[WaitSample] = deque(maxlen=ADAPTIVE_WINDOW)
@@ -276,13 +281,26 @@ class _Sim:
                                    default_hold_s=self.hold_cap, horizon_s=policy.horizon_s)
         self.record_of: dict[tuple[ConversationId, int], TurnRecord] = {}
 
+    def check_fits(self) -> None:
+        """Every turn's context fits one decode instance, else it would wait forever."""
+        cap = self.fleet.device_blocks_per_decode
+        for conv, plans in self.plans.items():
+            for i, plan in enumerate(plans):
+                need = math.ceil(plan.context_after / self.bs)
+                if need > cap:
+                    raise ValueError(
+                        f"turn {i} of conversation {conv} needs {need} KV blocks of {self.bs} "
+                        f"tokens on its decode instance ({plan.context_after} tokens of context); "
+                        f"a decode instance has {cap} (FleetSpec.device_blocks_per_decode), so "
+                        "it could never start decoding")
+
     # -- event plumbing -------------------------------------------------------------------
     def push(self, t: float, kind: int, payload: tuple) -> None:
         heapq.heappush(self.events, (t, kind, self.seq, payload))
         self.seq += 1
 
     def sample_memory(self) -> None:
-        dev, host = self.dev_total, self.host_total
+        dev, host = sum(d.retained_total for d in self.decodes), self.host_total
         last = self.memory[-1] if self.memory else None
         if last is not None and (last.device_blocks_retained, last.host_bytes_held) == (dev, host):
             return
@@ -304,10 +322,14 @@ class _Sim:
             self.now = t
             handlers[kind](*payload)
             self.sample_memory()
+        if self.ready:  # cannot happen (retention always ends); loud rather than records missing
+            raise RuntimeError(f"{self.p.name}: {len(self.ready)} turns never started decoding")
         t_end = max((r.t_start + r.e2e_s for r in self.records), default=0.0)
         self.records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
-        meta = {"simulated": True, "t_end": t_end, "fleet": self.fleet.model_dump(),
-                "cost_model": self.cost.model_dump(), "trace": self.trace.name, **self.counters}
+        meta: dict[str, object] = {
+            "simulated": True, "t_end": t_end, "fleet": self.fleet.model_dump(),
+            "cost_model": self.cost.model_dump(), "trace": self.trace.name, **self.counters,
+            "decode_wait_s": sum(r.decode_wait_s for r in self.records)}
         if self.p.adaptive:
             meta["device_ttl_history"] = self.ttl_history
         return RunResult(self.p.name, self.records, [m for m in self.memory if m.t <= t_end], meta)
@@ -376,6 +398,7 @@ class _Sim:
             # The next turn reads (or forgoes) D's copy; either way D frees it now:
             # vLLM's pinned blocks serve exactly one follow-up request.
             self.release_retained(d, conv)
+            self.admit(d)
 
         retained_any = self.p.ttl_s > 0 or self.p.host_copy
         if turn == 0 or not retained_any:
@@ -443,14 +466,26 @@ class _Sim:
             self.prefill_done(job.conv, job.turn)
 
     def prefill_done(self, conv: ConversationId, turn: int) -> None:
-        """Record ``turn`` (its TTFT ends now) and start its decode."""
-        pend = self.pending.pop((conv, turn))
-        spec = self.convs[conv].turns[turn]
-        plan = self.plans[conv][turn]
+        """``turn`` is prefilled (and handed off): it waits for room on its decode instance."""
         d = self.decode_of[conv]
-        blocks = math.ceil(plan.context_after / self.bs)
-        self.make_room(d, blocks, conv)
-        self.decodes[d].active_blocks += blocks
+        self.ready[(conv, turn)] = (self.pending.pop((conv, turn)), self.now)
+        self.decodes[d].enqueue(conv, turn, math.ceil(self.plans[conv][turn].context_after / self.bs))
+        self.admit(d)
+
+    def admit(self, d: int) -> None:
+        """Start the turns waiting on decode ``d`` that fit now (FIFO; `DecodeInstance.admit`)."""
+        started, evicted = self.decodes[d].admit()
+        self.counters["evicted_device"] += len(evicted)
+        for conv, turn, blocks in started:
+            self.start_decode(conv, turn, blocks)
+
+    def start_decode(self, conv: ConversationId, turn: int, blocks: int) -> None:
+        """Record ``turn``: its first token (TTFT) comes now, after any wait for decode room."""
+        pend, ready_at = self.ready.pop((conv, turn))
+        spec = self.convs[conv].turns[turn]
+        wait = self.now - ready_at
+        if wait > 0:
+            self.counters["decode_queued"] += 1
         ttft = self.now - pend["arrival"]
         e2e = ttft + spec.response_tokens * self.cost.decode_s_per_token
         rec = TurnRecord(
@@ -458,7 +493,7 @@ class _Sim:
             reused_tokens=pend["reused"], reuse_path=pend["reuse_path"],
             computed_tokens=pend["prompt"] - pend["reused"], ttft_s=ttft, e2e_s=e2e,
             transfer_s=pend["transfer"], t_start=pend["arrival"], outcome=pend["outcome"],
-            response_tokens=spec.response_tokens)
+            response_tokens=spec.response_tokens, decode_wait_s=wait)
         self.records.append(rec)
         if self.hold is not None:
             self.record_of[(conv, turn)] = rec
@@ -467,7 +502,7 @@ class _Sim:
     def on_finish(self, conv: ConversationId, turn: int, blocks: int) -> None:
         d = self.decode_of[conv]
         dec = self.decodes[d]
-        dec.active_blocks -= blocks
+        dec.finish(blocks)
         tokens = self.plans[conv][turn].context_after
         self.finished_at[conv] = (self.now, tokens)
         ttl = self.ttl_s
@@ -478,12 +513,10 @@ class _Sim:
             if rec is not None:
                 rec.hold_s, rec.hold_basis, rec.hold_samples = round(ttl, 1), c.basis, c.samples
         if self.p.ttl_s > 0 and ttl > 0:
-            before = dec.retained_total
-            dec.retain(_Retained(conv, blocks, tokens, self.now + ttl))
-            self.dev_total += dec.retained_total - before
+            # the finished turn's blocks stay, retained (pinned: no waiting turn gets them)
+            dec.retain(Retained(conv, blocks, tokens, self.now + ttl))
             self.push(self.now + ttl, _EXPIRE, (d, conv, self.now + ttl))
-            if dec.active_blocks + dec.retained_blocks() > self.fleet.device_blocks_per_decode:
-                self.make_room(d, 0, conv)
+        self.admit(d)
         if self.p.host_copy:
             host = self.hosts[d]
             before = host.used
@@ -498,24 +531,11 @@ class _Sim:
         if r is not None and r.expires == expires:
             self.release_retained(d, conv)
             self.counters["expired_device"] += 1
+            self.admit(d)
 
     # -- memory helpers -----------------------------------------------------------------------
     def release_retained(self, d: int, conv: ConversationId) -> None:
-        dec = self.decodes[d]
-        before = dec.retained_total
-        dec.release(conv)
-        self.dev_total += dec.retained_total - before
-
-    def make_room(self, d: int, blocks: int, keep: ConversationId) -> None:
-        """Evict retained KV (oldest first, ``keep``'s last) until ``blocks`` more fit."""
-        dec = self.decodes[d]
-        cap = self.fleet.device_blocks_per_decode
-        while dec.active_blocks + dec.retained_blocks() + blocks > cap and dec.retained:
-            victim = next((c for c in dec.retained if c != keep), keep)
-            self.release_retained(d, victim)
-            self.counters["evicted_device"] += 1
-        if dec.active_blocks + blocks > cap:
-            self.counters["decode_overcommit"] += 1
+        self.decodes[d].release(conv)
 
     def cache_prompt(self, pf: _Prefill, conv: ConversationId, prompt: int) -> None:
         cap = self.fleet.prefill_cache_blocks

@@ -212,11 +212,17 @@ def test_pd_transfer_adds_to_ttft():
 
 def test_device_capacity_evicts_retained_and_host_lru():
     tr = _trace(wait=20.0, n_conv=6, stagger=0.01)
-    small_dev = FLEET.model_copy(update={"device_blocks_per_decode": 150})
+    small_dev = FLEET.model_copy(update={"device_blocks_per_decode": 150, "decode_retained": "evictable"})
     r = simulate(tr, "device-ttl", small_dev, _cost())
     assert r.meta["evicted_device"] > 0
     assert any(t.outcome == "expired" for t in r.follow_ups)
     assert all(m.device_blocks_retained <= 150 for m in r.memory)
+    # vLLM's rule (the default): retained KV is pinned, so nothing is evicted, every follow-up
+    # reads its device copy, and turns wait at the decode instead
+    pinned = simulate(tr, "device-ttl", small_dev.model_copy(update={"decode_retained": "pinned"}), _cost())
+    assert pinned.meta["evicted_device"] == 0 and pinned.meta["decode_queued"] > 0
+    assert all(t.outcome == "full" for t in pinned.follow_ups)
+    assert max(t.decode_wait_s for t in pinned.turns) > max(t.decode_wait_s for t in r.turns)
     small_host = FLEET.model_copy(update={"host_bytes_per_pod": 3 * 2000 * 2048})
     h = simulate(tr, "host-p2p", small_host, _cost())
     assert all(m.host_bytes_held <= 3 * 2000 * 2048 for m in h.memory)
@@ -342,3 +348,124 @@ def test_compare_error_table():
     partial = RunResult(sim.strategy, sim.turns[:5] + [msgspec.structs.replace(sim.turns[5], ok=False)])
     assert compare(partial, sim).matched == 5
     assert "| turn | 0 |" in err.markdown()
+
+
+# ------------------------------------------------------------------ decode memory admission
+
+
+def _decoding(r: RunResult) -> list[tuple[float, float, int]]:
+    """(start, end, blocks) of every turn's decode: it starts at its first token."""
+    return [(t.t_start + t.ttft_s, t.t_start + t.e2e_s, -(-(t.prompt_tokens + t.response_tokens) // BS))
+            for t in r.turns]
+
+
+def test_decode_capacity_queues_a_second_conversation():
+    # FIFO prefill: c0 is ready at s, c1 at 2s; each needs ceil(2500/32) = 79 of the 100 blocks
+    cost = _cost()
+    s, d = cost.prefill_s(2000, 0), 500 * cost.decode_s_per_token
+    assert d > s  # c0 still decodes when c1's prefill is done
+    tr = Trace("two", 4096, [ConversationSpec(ConversationId(f"c{i}"), 0.0, i, [TurnSpec(2000, 500, 0.0)])
+                             for i in range(2)])
+    roomy = simulate(tr, "recompute", FIFO, cost)
+    assert _ttfts(roomy) == pytest.approx([s, 2 * s])
+    assert all(t.decode_wait_s == 0 for t in roomy.turns) and roomy.meta["decode_queued"] == 0
+    tight = simulate(tr, "recompute", FIFO.model_copy(update={"device_blocks_per_decode": 100}), cost)
+    c0, c1 = sorted(tight.turns, key=lambda t: t.conversation_id)
+    assert c0.ttft_s == pytest.approx(s) and c0.decode_wait_s == 0
+    # c1 starts when c0 is done decoding: its TTFT includes the wait
+    assert c1.ttft_s == pytest.approx(s + d) and c1.decode_wait_s == pytest.approx(d - s)
+    assert c1.e2e_s == pytest.approx(s + 2 * d)
+    assert tight.meta["decode_queued"] == 1 and tight.meta["decode_wait_s"] == pytest.approx(d - s)
+    # both fit: no wait
+    both = simulate(tr, "recompute", FIFO.model_copy(update={"device_blocks_per_decode": 158}), cost)
+    assert _ttfts(both) == pytest.approx([s, 2 * s])
+
+
+def test_pinned_retention_makes_a_turn_wait_until_its_ttl_ends():
+    # c0 (one turn, 63 blocks) is retained for 5 s after it finishes; c1 (63 blocks) arrives
+    # 1 s later on a 100-block decode: it waits until c0's retention expires
+    cost = _cost()
+    ttl, at = 5.0, 1.0
+    tr = Trace("pin", 4096, [ConversationSpec(ConversationId("c0"), 0.0, 0, [TurnSpec(2000, 10, 0.0)]),
+                             ConversationSpec(ConversationId("c1"), at, 1, [TurnSpec(2000, 10, 0.0)])])
+    fleet = FLEET.model_copy(update={"device_blocks_per_decode": 100})
+    s, d = cost.prefill_s(2000, 0), 10 * cost.decode_s_per_token
+    assert s + d < at  # c0 is done (and retained) before c1 arrives
+    expires = s + d + ttl
+    r = simulate(tr, builtin("device-ttl", decode_ttl_s=ttl), fleet, cost)
+    c0, c1 = sorted(r.turns, key=lambda t: t.conversation_id)
+    assert c0.decode_wait_s == 0
+    remaining = expires - (at + s)  # of c0's TTL when c1 is ready to decode
+    assert c1.decode_wait_s == pytest.approx(remaining) and c1.ttft_s >= remaining
+    assert c1.ttft_s == pytest.approx(expires - at)
+    assert r.meta["evicted_device"] == 0 and r.meta["expired_device"] >= 1
+    # an evictable decode (the old rule) lets c1 in at once; recompute retains nothing
+    ev = simulate(tr, builtin("device-ttl", decode_ttl_s=ttl),
+                  fleet.model_copy(update={"decode_retained": "evictable"}), cost)
+    assert [t.ttft_s for t in sorted(ev.turns, key=lambda t: t.conversation_id)] == pytest.approx([s, s])
+    assert ev.meta["evicted_device"] == 1
+    assert _ttfts(simulate(tr, "recompute", fleet, cost)) == pytest.approx([s, s])
+
+
+def test_a_read_frees_pinned_room_and_the_queue_is_fifo_chained():
+    # c0 turn 0 is retained (63 blocks of 100); c1 (63 blocks) waits until c0's next prefill
+    # reads that copy, then decodes; c0 turn 1 (73 blocks) in turn waits for c1's retention
+    cost = _cost()
+    ttl = 5.0
+    tr = Trace("chain", 4096, [
+        ConversationSpec(ConversationId("c0"), 0.0, 0, [TurnSpec(2000, 10, 0.0), TurnSpec(300, 10, 2.0)]),
+        ConversationSpec(ConversationId("c1"), 1.0, 1, [TurnSpec(1500, 500, 0.0)])])
+    r = simulate(tr, builtin("device-ttl", decode_ttl_s=ttl),
+                 FLEET.model_copy(update={"device_blocks_per_decode": 100}), cost)
+    by = {(t.conversation_id, t.turn): t for t in r.turns}
+    c0t1, c1 = by["c0", 1], by["c1", 0]
+    assert c0t1.reuse_path == "dp_read"
+    assert c1.decode_wait_s > 0
+    assert c1.t_start + c1.ttft_s == pytest.approx(c0t1.t_start)  # the read released the room
+    assert c0t1.decode_wait_s > 0
+    assert c0t1.t_start + c0t1.ttft_s == pytest.approx(c1.t_start + c1.e2e_s + ttl)
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+@pytest.mark.parametrize("retained", ["pinned", "evictable"])
+def test_decode_never_overfills_and_admits_in_order(strategy, retained):
+    tr = synthetic(SyntheticTraceConfig(conversations=10, turns=5, seed=3, concurrency=6,
+                                        first_prompt_tokens=LengthDist(mean=1200, spread=0.3),
+                                        response_tokens=LengthDist(mean=300, spread=0.5),
+                                        wait=WaitDist(median_s=5, sigma=1.0, max_s=60)))
+    cap = 150
+    fleet = FleetSpec(prefill=2, decode=1, device_blocks_per_decode=cap, host_bytes_per_pod=1 << 30,
+                      block_size=BS, decode_retained=retained)
+    r = simulate(tr, builtin(strategy, decode_ttl_s=20.0), fleet, _cost())
+    assert len(r.turns) == tr.total_turns()
+    runs = _decoding(r)
+    mem = [(m.t, m.device_blocks_retained) for m in r.memory]
+    for t in sorted({a for a, _, _ in runs} | {m for m, _ in mem}):
+        running = sum(b for a, e, b in runs if a <= t < e)
+        retained_now = next((v for m, v in reversed(mem) if m <= t), 0)
+        assert running + retained_now <= cap, (t, running, retained_now)
+    assert r.meta["decode_queued"] > 0  # the trace does make turns wait
+    # one decode instance: turns start decoding in the order their prefills finished
+    ready = sorted((t.t_start + t.ttft_s - t.decode_wait_s, t.t_start + t.ttft_s) for t in r.turns)
+    starts = [b for _, b in ready]
+    assert starts == sorted(starts)
+    for t in r.turns:
+        assert t.decode_wait_s >= 0 and t.ttft_s >= t.decode_wait_s
+
+
+def test_a_turn_larger_than_a_decode_instance_fails_loudly():
+    tr = _singles((0.0, 2000))  # 2010 tokens: 63 blocks
+    simulate(tr, "recompute", FLEET.model_copy(update={"device_blocks_per_decode": 63}), _cost())
+    with pytest.raises(ValueError, match="needs 63 KV blocks.*has 62"):
+        simulate(tr, "recompute", FLEET.model_copy(update={"device_blocks_per_decode": 62}), _cost())
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_ample_decode_memory_never_waits(regime):
+    # the fleet the other tests use: nothing waits, and the retention rule makes no difference
+    tr = REGIMES[regime]
+    for strategy in STRATEGY_NAMES:
+        r = simulate(tr, strategy, FLEET, _cost())
+        assert r.meta["decode_queued"] == 0 and all(t.decode_wait_s == 0 for t in r.turns)
+        ev = simulate(tr, strategy, FLEET.model_copy(update={"decode_retained": "evictable"}), _cost())
+        assert msgspec.json.encode(ev.turns) == msgspec.json.encode(r.turns)

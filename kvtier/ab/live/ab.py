@@ -12,8 +12,10 @@ re-renders a live run's report from its ``report.json`` with this checkout's cod
 
 A trace file that carries a regime (``kvtier.ab.regimes``) brings its stack settings: time
 scale, context cap, device TTL, host tier size, the decode nodes' KV capacity; a flag given on
-the command line wins over the file. The report's simulation models none of the capacity
-limits; the sizing gives its decode instances the regime's KV capacity (``decode_num_blocks``).
+the command line wins over the file. Every simulation (the ``--simulate`` report, the one next
+to a live run's measurements, the sizing) gives its decode instances the regime's KV capacity
+(``decode_num_blocks``; without one, `FleetSpec`'s default), so turns queue at a full decode
+in the simulation as on the stack.
 
 Threading model: each command runs on the caller's thread (the runner owns its helper
 threads).
@@ -27,7 +29,7 @@ import logging
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.ab.fit import fit_from_records
 from kvtier.ab.live.common import (
@@ -35,7 +37,6 @@ from kvtier.ab.live.common import (
     prior_cost_model,
     quiet_http_logs,
     resolve_model,
-    simulate_all,
 )
 from kvtier.ab.live.sweep import run_sweep
 from kvtier.ab.records import RunResult, merge_repeats
@@ -44,6 +45,9 @@ from kvtier.ab.report import environment_meta, summary_table, write_report
 from kvtier.ab.strategies import StrategySpec, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
 from kvtier.cost.model import CostModel
+
+if TYPE_CHECKING:
+    from kvtier.ab.simulator import FleetSpec
 
 log = logging.getLogger("kvtier.ab")
 
@@ -130,7 +134,8 @@ def run_ab(args: argparse.Namespace) -> int:
     if args.simulate:
         cost = cost or prior_cost_model(kvbpt, args.block_size)
         specs = [s.with_cost_model(cost) for s in specs]
-        results = simulate_all(trace, specs, cost, args.prefill, args.decode, args.block_size)
+        results = _simulate_all(trace, specs, cost, _fleet(args.prefill, args.decode, args.block_size,
+                                                           regime.decode_num_blocks))
         meta.update(mode="simulated", cost_model=cost.model_dump(),
                     cost_model_source=args.cost or "built-in prior (not measured)")
         md = write_report(results, out, meta)
@@ -164,7 +169,7 @@ def run_ab(args: argparse.Namespace) -> int:
         return 130 if sw.interrupted else 1
     md = finish_report(sw.results, [s.scaled(args.time_scale) for s in sw.ran],
                        _scaled_trace(trace, args.time_scale), meta, out, kvbpt,
-                       args.prefill, args.decode, args.block_size)
+                       args.prefill, args.decode, args.block_size, regime.decode_num_blocks)
     print(summary_table(sw.results))
     if sw.failed:
         print("\nnot in the report (failed): "
@@ -182,12 +187,9 @@ def run_sizing(args: argparse.Namespace, trace: Trace, specs: list[StrategySpec]
     import msgspec
     from tqdm import tqdm
 
-    from kvtier.ab.simulator import FleetSpec
     from kvtier.ab.sizing import DEFAULT_MAX_SESSIONS, size_for_slo
 
-    fleet = FleetSpec(prefill=args.prefill, decode=args.decode, block_size=args.block_size,
-                      **({"device_blocks_per_decode": regime.decode_num_blocks}
-                         if regime.decode_num_blocks else {}))
+    fleet = _fleet(args.prefill, args.decode, args.block_size, regime.decode_num_blocks)
     with tqdm(desc=f"sizing at TTFT p90 <= {slo:g} s", unit="sim",
               disable=bool(getattr(args, "no_progress", False))) as bar:
         def tick(strategy: str, sessions: int, p90: float) -> None:
@@ -205,20 +207,40 @@ def run_sizing(args: argparse.Namespace, trace: Trace, specs: list[StrategySpec]
     print(f"\nsizing: {out / 'sizing.md'}")
 
 
+def _fleet(prefill: int, decode: int, block_size: int, decode_blocks: int | None) -> FleetSpec:
+    """The simulated fleet; ``decode_blocks`` (a regime's ``decode_num_blocks``), when set, is
+    each decode instance's KV capacity, as ``--num-gpu-blocks-override`` is on the stack."""
+    from kvtier.ab.simulator import FleetSpec
+
+    return FleetSpec(prefill=prefill, decode=decode, block_size=block_size,
+                     **({"device_blocks_per_decode": decode_blocks} if decode_blocks else {}))
+
+
+def _simulate_all(trace: Trace, specs: list[StrategySpec], cost: CostModel, fleet: FleetSpec,
+                  online_ttl: bool | None = True) -> list[RunResult]:
+    """`kvtier.ab.live.common.simulate_all` on ``fleet`` (which carries the decode capacity)."""
+    from kvtier.ab.simulator import simulate
+
+    return [simulate(trace, s.scaled(1.0), fleet, cost,
+                     online_ttl=s.leases if online_ttl is None else online_ttl)
+            for s in specs]
+
+
 def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wall_trace: Trace,
                   meta: dict[str, Any], out: Path, kvbpt: int, prefill: int, decode: int,
-                  block_size: int) -> Path:
+                  block_size: int, decode_blocks: int | None = None) -> Path:
     """Fit the cost model to the measured turns, replay the trace through the simulator with
-    it (device TTLs fixed, as live), and write the report. ``specs_as_run`` and ``wall_trace``
-    are in wall-clock seconds (already scaled by the run's time scale)."""
+    it (device TTLs fixed, as live; decode capacity ``decode_blocks``, the regime's, if set),
+    and write the report. ``specs_as_run`` and ``wall_trace`` are in wall-clock seconds
+    (already scaled by the run's time scale)."""
     meta = {**meta, "kv_bytes_per_token": kvbpt, "block_size": block_size,
             "prefill": prefill, "decode": decode}
     simulated = None
     try:
         fitted = fit_from_records(results, kvbpt, block_size)
         # live vLLM fixes the TTL at start; with decode leases the router re-chooses online
-        simulated = simulate_all(wall_trace, specs_as_run, fitted, prefill, decode, block_size,
-                                 online_ttl=None)
+        simulated = _simulate_all(wall_trace, specs_as_run, fitted,
+                                  _fleet(prefill, decode, block_size, decode_blocks), online_ttl=None)
         # Repeated live runs: compare every repeat with the (deterministic) simulation.
         reps = {r.strategy: int(r.meta.get("repeats", 1)) for r in results}
         simulated = [merge_repeats([s] * reps.get(s.strategy, 1)) for s in simulated]
@@ -267,7 +289,8 @@ def run_ab_report(args: argparse.Namespace) -> int:
     out = Path(args.out or src)
     md = finish_report(results, specs, _scaled_trace(trace, float(meta.get("time_scale", 1.0))),
                        keep, out, int(kvbpt), prefill, decode,
-                       int(meta.get("block_size", 32)))
+                       int(meta.get("block_size", 32)),
+                       (meta.get("regime") or {}).get("decode_num_blocks"))
     print(summary_table(results))
     print(f"\nreport: {md}")
     return 0
