@@ -24,9 +24,9 @@ each retention strategy? ``size_for_slo`` answers it by simulation
   simulated were in order. No size meeting it (``p90(1) > SLO``) gives 0, with ``p90(1)``.
 
 What this inherits from the simulator: prefill contention (processor sharing), retention,
-eviction and the reuse paths are modelled; decode instances batch without a queue, so decode
-KV capacity only limits retention (an over-full decode counts ``decode_overcommit`` and
-carries on, where a real one would queue or preempt); vLLM's token budgets and chunking, link
+eviction and the reuse paths are modelled, and a decode admits a turn only when its blocks fit
+(turns wait, first in first out, and the wait is part of their TTFT; retained KV stays pinned,
+as in vLLM); preemption, vLLM's token budgets and chunking, link
 contention and decode interference are not modelled (`kvtier.ab.simulator`).
 
 Threading model: pure functions of their arguments, single-threaded (``progress`` is called
@@ -86,7 +86,8 @@ class Point(msgspec.Struct, frozen=True):
     ttft_p90_s: float
     device_block_s: float
     host_gb_s: float
-    decode_overcommit: int  # times running turns overfilled a decode's KV (not queued: docstring)
+    decode_queued: int  # turns that waited for decode KV blocks (admission queue)
+    decode_wait_s: float  # their waits, summed
     turns: int
 
 
@@ -153,8 +154,8 @@ class SizingAnswer(msgspec.Struct, frozen=True):
         """``sizing.md``: the question, the fleet, the table and what it leaves out."""
         f = self.fleet
         hosts = sorted({s.host_bytes_per_pod for s in self.strategies})
-        overs = [f"`{s.strategy}` {s.at.decode_overcommit}" for s in self.strategies
-                 if s.at is not None and s.at.decode_overcommit]
+        queued = [f"`{s.strategy}` {s.at.decode_queued} ({s.at.decode_wait_s:,.1f} s)"
+                  for s in self.strategies if s.at is not None and s.at.decode_queued]
         non_mono = [f"`{s.strategy}`" for s in self.strategies if not s.p90_monotone]
         loose = [f"`{s.strategy}`" for s in self.strategies
                  if s.ttft_p90_ci is not None and s.ttft_p90_ci[1] > self.slo_ttft_p90_s]
@@ -171,15 +172,14 @@ class SizingAnswer(msgspec.Struct, frozen=True):
              "is ≤ the SLO and the p90 at one session more is above it. TTFT p90 is nearest-rank "
              "over every turn, with a 95% bootstrap interval over the turns at the answer."), "",
             self.markdown(), "",
-            ("Not modelled: decode instances batch without a queue, so decode memory only "
-             "limits retention (an over-full decode evicts retained KV and carries on); vLLM's "
-             "token budgets and chunking, link contention, decode interference "
-             "(`kvtier/ab/simulator.py`).")]
-        if overs:
-            lines += ["", "Running turns overfilled a decode's KV at the answer (times): "
-                      + ", ".join(overs) + ". A real decode would queue or preempt them and the "
-                      "simulator does not, so for these the answer is optimistic: decode memory, "
-                      "not the TTFT, may be what limits them."]
+            ("A decode admits a turn only when its KV blocks fit; retained KV stays pinned "
+             "until read, released or expired (vLLM's behaviour), and a waiting turn's wait is "
+             "part of its TTFT. Not modelled: preemption, vLLM's token budgets and chunking, "
+             "link contention, decode interference (`kvtier/ab/simulator.py`).")]
+        if queued:
+            lines += ["", "Turns that waited for decode KV blocks at the answer (turns, total "
+                      "wait): " + ", ".join(queued) + ": there decode memory, not prefill, "
+                      "is part of what limits the fleet."]
         if loose:
             lines += ["", "The p90's interval at the answer reaches above the SLO for "
                       + ", ".join(loose) + ": this trace's turns do not settle it there."]
@@ -197,7 +197,8 @@ def _secs(s: float) -> str:
 def _point(n: int, r: RunResult) -> tuple[Point, list[float]]:
     ttft = [t.ttft_s for t in r.ok_turns]
     return Point(n, nearest_rank(ttft, 0.9), r.device_block_seconds(), r.host_gb_seconds(),
-                 int(r.meta.get("decode_overcommit", 0)), len(ttft)), ttft
+                 int(r.meta.get("decode_queued", 0)), float(r.meta.get("decode_wait_s", 0.0)),
+                 len(ttft)), ttft
 
 
 def size_strategy(trace: Trace, strategy: StrategySpec, fleet: FleetSpec, cost: CostModel,

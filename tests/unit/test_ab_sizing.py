@@ -113,6 +113,22 @@ def test_a_generous_slo_stops_at_the_cap():
     assert "≥ 5 (cap)" in ans.markdown() and "at least 5 (the search cap)" in ans.markdown()
 
 
+def test_scarce_decode_memory_holds_fewer_sessions_and_says_turns_waited():
+    """A decode that fits ~2 conversations' contexts (600 + 3 x 240 tokens ~ 42 blocks each),
+    under device-ttl (retained turns pin their blocks until read or expired, as in vLLM),
+    makes turns wait for blocks: fewer sessions at the same SLO, and the report says so."""
+    tr, cost = _trace(), _cost()
+    roomy = size_for_slo(tr, ["device-ttl"], FLEET, cost, slo_ttft_p90_s=4.0, max_sessions=64)
+    small = FleetSpec(prefill=1, decode=1, device_blocks_per_decode=90,
+                      host_bytes_per_pod=1 << 34, block_size=BS)
+    tight = size_for_slo(tr, ["device-ttl"], small, cost, slo_ttft_p90_s=4.0, max_sessions=64)
+    assert tight.strategies[0].sessions < roomy.strategies[0].sessions, (tight, roomy)
+    at = tight.strategies[0].at
+    assert at is not None and at.decode_queued > 0 and at.decode_wait_s > 0
+    assert "waited for decode KV blocks" in tight.report()
+    assert "waited for decode KV blocks" not in roomy.report()
+
+
 # ------------------------------------------------------------------------- the CLI ----
 
 
