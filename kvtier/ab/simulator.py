@@ -21,9 +21,13 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   up (a turn finishing without retention, a retention expiring, or the next prefill reading
   or forgoing one); the head of the queue blocks those behind it, as in vLLM's scheduler.
   Admitted turns decode concurrently (batched, no interference) and hold their blocks for
-  ``response_tokens × decode_s_per_token``. TTFT = arrival → start of decoding (the client's
-  first token comes from the decode stream), so the wait at the decode is part of it and is
-  recorded in the turn's ``decode_wait_s``; e2e = TTFT + decode time. A turn needing more
+  ``response_tokens × decode_s_per_token``. TTFT = arrival → the prefill leg's answer, as the
+  live runner measures it (its leg tap sees the prefill answer, not the decode stream); the
+  wait for decode room comes after it, is recorded in the turn's ``decode_wait_s`` and is part
+  of e2e = TTFT + wait + decode time. The first token a streaming client sees comes from the
+  decode node, after that wait: ``ttft_s + decode_wait_s`` (what `kvtier.ab.sizing` holds to
+  the SLO; the live runner cannot see the wait per turn, only in e2e and the engine's queue
+  metrics). A turn needing more
   blocks than a decode instance has raises ValueError before the replay (it could never start).
 - **Device retention** (``device-ttl``, ``tiered*``): when a turn finishes, its decode keeps
   the conversation's blocks for ``decode_ttl_s`` (fixed, not renewed: vLLM's behaviour),
@@ -480,14 +484,15 @@ class _Sim:
             self.start_decode(conv, turn, blocks)
 
     def start_decode(self, conv: ConversationId, turn: int, blocks: int) -> None:
-        """Record ``turn``: its first token (TTFT) comes now, after any wait for decode room."""
+        """Record ``turn``: its prefill answered at ``ready_at`` (TTFT, as measured live); it
+        decodes from now, after any wait for decode room (``decode_wait_s``, part of e2e)."""
         pend, ready_at = self.ready.pop((conv, turn))
         spec = self.convs[conv].turns[turn]
         wait = self.now - ready_at
         if wait > 0:
             self.counters["decode_queued"] += 1
-        ttft = self.now - pend["arrival"]
-        e2e = ttft + spec.response_tokens * self.cost.decode_s_per_token
+        ttft = ready_at - pend["arrival"]
+        e2e = ttft + wait + spec.response_tokens * self.cost.decode_s_per_token
         rec = TurnRecord(
             strategy=self.p.name, conversation_id=conv, turn=turn, prompt_tokens=pend["prompt"],
             reused_tokens=pend["reused"], reuse_path=pend["reuse_path"],
