@@ -86,6 +86,9 @@ def simulation_error(measured: Sequence[RunResult], simulated: Sequence[RunResul
     - ``ttft_mape``: mean |sim - meas| / meas over turns matched by
       (conversation, turn);
     - ``ttft_p50_rel_err``: relative error of the median TTFT;
+    - ``e2e_p50_rel_err`` / ``turns_per_min_rel_err``: relative error of the median end-to-end
+      time and of the throughput (where decode memory pressure shows: a turn waiting for decode
+      room waits after its TTFT);
     - ``reuse_rate_abs_err``: |sim - meas| of the reuse rate;
     - ``device_block_s_rel_err`` / ``host_gb_s_rel_err``.
     """
@@ -104,6 +107,8 @@ def simulation_error(measured: Sequence[RunResult], simulated: Sequence[RunResul
             "matched_turns": len(errs),
             "ttft_mape": statistics.fmean(errs) if errs else float("nan"),
             "ttft_p50_rel_err": _rel(ss["ttft_p50_s"], ms["ttft_p50_s"]),
+            "e2e_p50_rel_err": _rel(ss["e2e_p50_s"], ms["e2e_p50_s"]),
+            "turns_per_min_rel_err": _rel(ss["turns_per_min"], ms["turns_per_min"]),
             "reuse_rate_abs_err": abs(ss["reuse_rate"] - ms["reuse_rate"]),
             "device_block_s_rel_err": _rel(ss["device_block_s"], ms["device_block_s"]),
             "host_gb_s_rel_err": _rel(ss["host_gb_s"], ms["host_gb_s"]),
@@ -325,12 +330,15 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
         lines += ["## Simulator prediction (same trace)", "", summary_table(simulated), ""]
     if sim_error:
         lines += ["## Simulator error against this run", "",
-                  "| strategy | matched turns | TTFT MAPE | TTFT p50 rel. err | reuse rate abs. err "
+                  "| strategy | matched turns | TTFT MAPE | TTFT p50 rel. err | e2e p50 rel. err "
+                  "| turns/min rel. err | reuse rate abs. err "
                   "| device block·s rel. err | host GB·s rel. err |",
-                  "|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|"]
         for s, e in sim_error.items():
             lines.append(f"| {s} | {e['matched_turns']} | {_fmt(e['ttft_mape'], '%')} | "
                          f"{_fmt(e['ttft_p50_rel_err'], '%')} | "
+                         f"{_fmt(e.get('e2e_p50_rel_err', float('nan')), '%')} | "
+                         f"{_fmt(e.get('turns_per_min_rel_err', float('nan')), '%')} | "
                          f"{_fmt(e['reuse_rate_abs_err'], '%')} | "
                          f"{_fmt(e['device_block_s_rel_err'], '%')} | "
                          f"{_fmt(e['host_gb_s_rel_err'], '%')} |")

@@ -67,8 +67,10 @@ def test_simulator_error_reported(tmp_path):
     err = simulation_error(meas, sim)
     assert err["recompute"]["matched_turns"] == 6
     assert err["recompute"]["ttft_mape"] == pytest.approx(0.5)
+    assert err["recompute"]["e2e_p50_rel_err"] == pytest.approx(0.5)  # e2e scaled alike
+    assert "turns_per_min_rel_err" in err["recompute"]
     md = write_report(meas, tmp_path, {"trace": "t"}, simulated=sim, plots=False).read_text()
-    assert "Simulator error" in md and "50.0%" in md
+    assert "Simulator error" in md and "50.0%" in md and "e2e p50 rel. err" in md
     assert not (tmp_path / PLOTS[0]).exists()
 
 
