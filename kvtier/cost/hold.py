@@ -9,7 +9,12 @@ same expected-gain-minus-holding-price rule the offline sweep uses):
 - a conversation with at least ``min_samples`` observed waits is judged on its own waits, so a
   conversation whose tools answer in seconds is held while one that waits minutes is released;
 - otherwise on the fleet's recent waits (the last ``window`` across conversations);
-- with no waits yet, on ``default_hold_s``.
+- with no waits yet, on ``default_hold_s`` -- unless the turn has a host copy and the cost model
+  says a device read is never faster than reading that copy (``p2p`` link no slower than
+  ``dp_read`` at any size, as on a CPU stack where both move DRAM over NIXL): then holding can
+  gain nothing whatever the wait, and the turn is released at once. A live run where decode
+  memory was scarce showed why: the default hold of every conversation's first turn filled the
+  decode node and cut its turns per minute to 0.38x of ``host-p2p``'s.
 
 A choice of "do not retain" holds for 0 s (release at once). Every choice carries its inputs
 (``HoldChoice``) for the router's log line and metrics.
@@ -108,6 +113,12 @@ class HoldPolicy:
             return sum(self._fleet_host) / len(self._fleet_host)
         return 1.0
 
+    def _device_never_faster(self) -> bool:
+        """A read of the host copy (``p2p``) costs no more than a device read at any size."""
+        dp, host = self.cost.reads["dp_read"], self.cost.reads.get("p2p")
+        return host is not None and host.setup_s <= dp.setup_s \
+            and host.bytes_per_s >= dp.bytes_per_s
+
     def choose(self, conversation: str) -> HoldChoice:
         own = self._conv.get(conversation)
         if own is not None and len(own) >= self.min_samples:
@@ -115,6 +126,12 @@ class HoldPolicy:
         elif self._fleet:
             waits, basis = list(self._fleet), "fleet"
         else:
+            if self.host_copy and self.host_odds(conversation) >= 1.0 \
+                    and self._device_never_faster():
+                return HoldChoice(0.0, "default", 0, 0.0,
+                                  "no waits observed yet, but a device read is never faster "
+                                  "than the host copy (p2p link no slower than dp_read) -> "
+                                  "no device retention", 1.0)
             return HoldChoice(self.default_hold_s, "default", 0, 0.0,
                               f"no waits observed yet: hold {self.default_hold_s:g} s")
         kw = {"horizon_s": self.horizon_s} if self.horizon_s else {}

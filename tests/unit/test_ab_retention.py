@@ -165,9 +165,16 @@ def test_simulator_online_ttl_cuts_device_memory_with_a_host_copy():
     # the host copy still serves the turns the device no longer holds
     assert online.reuse_rate() >= 0.95 * fixed.reuse_rate()
     # with decode leases (tiered-adaptive as deployed) the router's policy decides per turn:
-    # each conversation's first turn is held by default, every later one released at once
+    # the host copy reads as fast as the device, so even before any wait is seen (the
+    # "default" basis) holding cannot pay: every turn is released at once
     leased = simulate(tr, builtin("tiered-adaptive"), fleet, cost)
     for conv, c in leased.hold_choices().items():
+        assert c["sequence"][0][2] == "default" and c["sequence"][0][1] == 0, conv
+        assert c["held"] == 0 and c["released"] == 12, (conv, c["sequence"])
+    # a slower host copy: each conversation's first turn is held by default, the later ones
+    # (12 s waits, priced against that host read) released at once
+    slower = simulate(tr, builtin("tiered-adaptive"), fleet, _cost(p2p_bw=1e9, p2p_setup=0.02))
+    for conv, c in slower.hold_choices().items():
         assert c["sequence"][0][2] == "default" and c["sequence"][0][1] > 0, conv
         assert c["held"] == 1 and c["released"] == 11, (conv, c["sequence"])
     assert leased.device_block_seconds() < 0.5 * fixed.device_block_seconds()

@@ -21,6 +21,20 @@ def test_no_waits_yet_holds_the_default():
     assert (c.hold_s, c.basis, c.samples) == (30, "default", 0)
 
 
+def test_no_waits_yet_with_a_host_copy_as_fast_as_the_device_releases_at_once():
+    same = LinkModel(setup_s=0.004, bytes_per_s=4e9)
+    cpu = _cost().model_copy(update={"reads": {"dp_read": same, "p2p": same}})
+    c = HoldPolicy(cpu, host_copy=True, default_hold_s=30).choose("a")
+    assert (c.hold_s, c.basis) == (0.0, "default") and "never faster" in c.explanation
+    # a slower host copy (the usual GPU case), or none, keeps the default hold
+    assert HoldPolicy(_cost(), host_copy=True, default_hold_s=30).choose("a").hold_s == 30
+    assert HoldPolicy(cpu, host_copy=False, default_hold_s=30).choose("a").hold_s == 30
+    # host copies seen evicted: the default hold comes back
+    p = HoldPolicy(cpu, host_copy=True, default_hold_s=30)
+    p.observe_host("other", False)
+    assert p.choose("a").hold_s == 30
+
+
 def test_conversations_with_short_and_long_waits_get_different_holds():
     p = HoldPolicy(_cost(), host_copy=False, min_samples=3, horizon_s=60)
     for _ in range(4):
