@@ -177,8 +177,8 @@ class SizingAnswer(msgspec.Struct, frozen=True):
              "answer."), "",
             self.markdown(), "",
             ("A decode admits a turn only when its KV blocks fit; retained KV stays pinned "
-             "until read, released or expired (vLLM's behaviour), and a waiting turn's wait is "
-             "part of its TTFT. Not modelled: preemption, vLLM's token budgets and chunking, "
+             "until read, released or expired (vLLM's behaviour), and a waiting turn's wait "
+             "delays the first token its client sees. Not modelled: preemption, vLLM's token budgets and chunking, "
              "link contention, decode interference (`kvtier/ab/simulator.py`).")]
         if queued:
             lines += ["", "Turns that waited for decode KV blocks at the answer (turns, total "
