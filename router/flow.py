@@ -59,7 +59,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
@@ -282,7 +282,19 @@ class Router(DecodeLeg):
                   conv: ConversationId | None, ids: tuple[int, ...] | None,
                   decision: ReuseDecision, refusal: str | None = None,
                   entry: RetainedKV | None = None) -> Reply:
-        read = False
+        read = ended = False
+
+        def prefilled(read_now: bool) -> None:
+            # The prefill has answered: the retained turn was read (vLLM frees it) or is not
+            # needed any more. Release it now, not after the decode: a decode node short of
+            # blocks may be holding this very turn's decode back for them (a live decode-scarce
+            # A/B waited out whole leases that way).
+            nonlocal read, ended
+            read = read_now
+            if entry is not None and not ended:
+                ended = True
+                self.retention.ended(entry, read_now, _release_reason(decision.outcome))
+
         try:
             if entry is not None and decision.params is not None:
                 confirmed = await self.retention.confirm(entry, decision.params)
@@ -292,18 +304,21 @@ class Router(DecodeLeg):
                 else:
                     decision = ReuseDecision(decision.outcome, confirmed, decision.reused_tokens)
             reply, read = await self._pd_legs(inb, headers, tenant, conv, ids, decision, refusal,
-                                              len(entry.covered) if entry is not None else 0)
+                                              len(entry.covered) if entry is not None else 0,
+                                              prefilled)
             return reply
         finally:
-            if entry is not None:
+            if entry is not None and not ended:
                 self.retention.ended(entry, read, _release_reason(decision.outcome))
 
     async def _pd_legs(self, inb: Inbound, headers: dict[str, str], tenant: str,
                        conv: ConversationId | None, ids: tuple[int, ...] | None,
                        decision: ReuseDecision, refusal: str | None, prior_tokens: int = 0,
+                       prefilled: Callable[[bool], None] | None = None,
                        ) -> tuple[Reply, bool]:
         """Prefill then decode; the reply, and whether the prefill read the retained KV.
-        ``prior_tokens``: what the conversation's previous turn left (0: not a continuation)."""
+        ``prior_tokens``: what the conversation's previous turn left (0: not a continuation);
+        ``prefilled(read)`` is called once the prefill has answered, before the decode."""
         info: dict[str, Any] = {"reuse": decision.outcome.value}
         if conv is not None:
             info["session"] = conv
@@ -381,6 +396,8 @@ class Router(DecodeLeg):
         if pre is None:
             return await self._exhausted(run, None, inb, headers, decision.outcome), False
         read = reuse is not None and report.path is ReusePath.DP_READ
+        if prefilled is not None:
+            prefilled(read)
         if ids is None and conv is not None:
             ids = _prompt_ids_of(inb.endpoint, pre)
         p_params = KVTransferParams.from_wire(pre.get("kv_transfer_params"))

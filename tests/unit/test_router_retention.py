@@ -85,9 +85,13 @@ def test_a_taken_turn_is_renewed_and_offered_with_its_fresh_deadline(node) -> No
         # renewed to the router's 20 s lease, and that deadline is what the prefill checks
         assert offered["remote_blocks_expiry_time"] > table.clock() + 15
         assert table.snapshot()["renewed"] >= 1
-        # read: no longer renewed, and not released (vLLM frees it after the read)
-        assert router.retention.keeper.tracked("decode-0") == []
-    assert sum(table.released.values()) == 0
+        # read: forgotten as the prefill answered, not released (vLLM frees it after the
+        # read); what is tracked now is this turn's own retained KV (the fake answers every
+        # decode leg with the same engine request id)
+        assert router.retention.keeper.tracked("decode-0") == [RID]
+        assert sum(table.released.values()) == 0
+    # the router's exit releases what it still held (its in-memory store dies with it)
+    assert table.released["dropped"] == 1
 
 
 def test_a_turn_whose_ttl_ends_before_a_read_could_is_not_offered(node) -> None:
@@ -134,6 +138,36 @@ def test_an_unproven_next_turn_releases_the_old_one(node) -> None:
         assert r.headers["x-kvtier-outcome"] == "stale"
         assert "remote_engine_id" not in fake.prefills()[-1].kvp
         assert until(lambda: table.released["dropped"] == 1)
+
+
+def test_a_turn_that_does_not_read_the_retained_one_releases_it_before_its_decode(node) -> None:
+    """The retained turn is released as soon as the prefill has answered without reading it:
+    on a decode node short of blocks, this turn's own decode may be waiting for that room."""
+    import asyncio
+
+    import httpx
+
+    table, server = node
+    at_decode: list[int] = []
+    d_host = httpx.URL(D_URL).host
+    for c, fake, _ in make(server.endpoint):
+        complete(c, PROMPT)
+        grant(table, lease_s=30.0)
+        plain = fake.handle_async_request
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.url.host == d_host and request.url.path.endswith("completions"):
+                for _ in range(100):  # the release is a background call: give it 2 s
+                    if table.released["dropped"]:
+                        break
+                    await asyncio.sleep(0.02)
+                at_decode.append(table.released["dropped"])
+            return await plain(request)
+
+        fake.handle_async_request = handle  # type: ignore[method-assign]
+        r = complete(c, [99, 98, 97, 96, 95, 94, 93, 92])  # does not continue it
+        assert r.status_code == 200 and r.headers["x-kvtier-outcome"] == "stale"
+        assert at_decode == [1]  # released before the decode leg began
 
 
 def test_a_lost_lease_is_not_offered(node) -> None:
