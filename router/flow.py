@@ -289,8 +289,7 @@ class Router(DecodeLeg):
             # needed any more. Release it now, not after the decode: a decode node short of
             # blocks may be holding this very turn's decode back for them (a live decode-scarce
             # A/B waited out whole leases that way).
-            nonlocal read, ended
-            read = read_now
+            nonlocal ended
             if entry is not None and not ended:
                 ended = True
                 self.retention.ended(entry, read_now, _release_reason(decision.outcome))

@@ -29,7 +29,7 @@ import logging
 import shlex
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.ab.fit import fit_from_records
 from kvtier.ab.live.common import (
@@ -37,6 +37,8 @@ from kvtier.ab.live.common import (
     prior_cost_model,
     quiet_http_logs,
     resolve_model,
+    sim_fleet,
+    simulate_all,
 )
 from kvtier.ab.live.sweep import run_sweep
 from kvtier.ab.records import RunResult, merge_repeats
@@ -45,9 +47,6 @@ from kvtier.ab.report import environment_meta, summary_table, write_report
 from kvtier.ab.strategies import StrategySpec, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
 from kvtier.cost.model import CostModel
-
-if TYPE_CHECKING:
-    from kvtier.ab.simulator import FleetSpec
 
 log = logging.getLogger("kvtier.ab")
 
@@ -134,8 +133,8 @@ def run_ab(args: argparse.Namespace) -> int:
     if args.simulate:
         cost = cost or prior_cost_model(kvbpt, args.block_size)
         specs = [s.with_cost_model(cost) for s in specs]
-        results = _simulate_all(trace, specs, cost, _fleet(args.prefill, args.decode, args.block_size,
-                                                           regime.decode_num_blocks))
+        results = simulate_all(trace, specs, cost, args.prefill, args.decode, args.block_size,
+                               decode_blocks=regime.decode_num_blocks)
         meta.update(mode="simulated", cost_model=cost.model_dump(),
                     cost_model_source=args.cost or "built-in prior (not measured)")
         md = write_report(results, out, meta)
@@ -189,7 +188,7 @@ def run_sizing(args: argparse.Namespace, trace: Trace, specs: list[StrategySpec]
 
     from kvtier.ab.sizing import DEFAULT_MAX_SESSIONS, size_for_slo
 
-    fleet = _fleet(args.prefill, args.decode, args.block_size, regime.decode_num_blocks)
+    fleet = sim_fleet(args.prefill, args.decode, args.block_size, regime.decode_num_blocks)
     with tqdm(desc=f"sizing at TTFT p90 <= {slo:g} s", unit="sim",
               disable=bool(getattr(args, "no_progress", False))) as bar:
         def tick(strategy: str, sessions: int, p90: float) -> None:
@@ -207,25 +206,6 @@ def run_sizing(args: argparse.Namespace, trace: Trace, specs: list[StrategySpec]
     print(f"\nsizing: {out / 'sizing.md'}")
 
 
-def _fleet(prefill: int, decode: int, block_size: int, decode_blocks: int | None) -> FleetSpec:
-    """The simulated fleet; ``decode_blocks`` (a regime's ``decode_num_blocks``), when set, is
-    each decode instance's KV capacity, as ``--num-gpu-blocks-override`` is on the stack."""
-    from kvtier.ab.simulator import FleetSpec
-
-    return FleetSpec(prefill=prefill, decode=decode, block_size=block_size,
-                     **({"device_blocks_per_decode": decode_blocks} if decode_blocks else {}))
-
-
-def _simulate_all(trace: Trace, specs: list[StrategySpec], cost: CostModel, fleet: FleetSpec,
-                  online_ttl: bool | None = True) -> list[RunResult]:
-    """`kvtier.ab.live.common.simulate_all` on ``fleet`` (which carries the decode capacity)."""
-    from kvtier.ab.simulator import simulate
-
-    return [simulate(trace, s.scaled(1.0), fleet, cost,
-                     online_ttl=s.leases if online_ttl is None else online_ttl)
-            for s in specs]
-
-
 def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wall_trace: Trace,
                   meta: dict[str, Any], out: Path, kvbpt: int, prefill: int, decode: int,
                   block_size: int, decode_blocks: int | None = None) -> Path:
@@ -239,8 +219,8 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
     try:
         fitted = fit_from_records(results, kvbpt, block_size)
         # live vLLM fixes the TTL at start; with decode leases the router re-chooses online
-        simulated = _simulate_all(wall_trace, specs_as_run, fitted,
-                                  _fleet(prefill, decode, block_size, decode_blocks), online_ttl=None)
+        simulated = simulate_all(wall_trace, specs_as_run, fitted, prefill, decode, block_size,
+                                 online_ttl=None, decode_blocks=decode_blocks)
         # Repeated live runs: compare every repeat with the (deterministic) simulation.
         reps = {r.strategy: int(r.meta.get("repeats", 1)) for r in results}
         simulated = [merge_repeats([s] * reps.get(s.strategy, 1)) for s in simulated]

@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.ab.records import RunResult
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import Trace
 from kvtier.cost.model import CostModel, LinkModel, kv_bytes_per_token
 from kvtier.devstack.platform import kv_dtype_bytes
+
+if TYPE_CHECKING:
+    from kvtier.ab.simulator import FleetSpec
 
 
 def resolve_model(name: str) -> Path:
@@ -45,15 +49,25 @@ def prior_cost_model(kvbpt: int, block_size: int = 32) -> CostModel:
                      reads={"dp_read": link, "p2p": link}, block_size=block_size)
 
 
-def simulate_all(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill: int,
-                 decode: int, block_size: int, online_ttl: bool | None = True
-                 ) -> list[RunResult]:
-    """Every strategy of ``specs`` on ``trace`` through the discrete-event simulator.
-    ``online_ttl=None``: as deployed live -- adaptive strategies with decode leases re-choose
-    their device hold online, the others keep the TTL they started with."""
-    from kvtier.ab.simulator import FleetSpec, simulate
+def sim_fleet(prefill: int, decode: int, block_size: int,
+              decode_blocks: int | None = None) -> FleetSpec:
+    """The simulated fleet; ``decode_blocks`` (a regime's ``decode_num_blocks``), when set, is
+    each decode instance's KV capacity, as ``--num-gpu-blocks-override`` is on the stack."""
+    from kvtier.ab.simulator import FleetSpec
 
-    fleet = FleetSpec(prefill=prefill, decode=decode, block_size=block_size)
+    return FleetSpec(prefill=prefill, decode=decode, block_size=block_size,
+                     **({"device_blocks_per_decode": decode_blocks} if decode_blocks else {}))
+
+
+def simulate_all(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill: int,
+                 decode: int, block_size: int, online_ttl: bool | None = True,
+                 decode_blocks: int | None = None) -> list[RunResult]:
+    """Every strategy of ``specs`` on ``trace`` through the discrete-event simulator, on
+    `sim_fleet`. ``online_ttl=None``: as deployed live -- adaptive strategies with decode
+    leases re-choose their device hold online, the others keep the TTL they started with."""
+    from kvtier.ab.simulator import simulate
+
+    fleet = sim_fleet(prefill, decode, block_size, decode_blocks)
     return [simulate(trace, s.scaled(1.0), fleet, cost,
                      online_ttl=s.leases if online_ttl is None else online_ttl)
             for s in specs]
