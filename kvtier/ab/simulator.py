@@ -63,9 +63,17 @@ What is modelled (and what the live run measures the same way, so `compare` is f
   fleet's before, the router's entry TTL before any), recorded in each turn's ``hold_s`` /
   ``hold_basis``.
 
+- **A shared host** (``FleetSpec.decode_interference`` β > 0, processor sharing only): every
+  instance runs on one machine, as the local CPU stack does, and a busy decode slows the
+  prefills. While ``k`` decode instances have running turns, a prefill instance works at
+  ``1/(1 + β·k)`` of its speed (then shared among its turns as above). β is fitted from a
+  live run of the local stack (`kvtier.ab.fit.fit_shared_host`); 0, the default, is a fleet
+  of separate machines.
+
 Not modelled: the shape of vLLM's batching beyond processor sharing (token budgets per
 step, chunk boundaries, a batch's cost not being the sum of its parts), network contention
-between concurrent reads apart from that sharing, decode-side compute interference.
+between concurrent reads apart from that sharing, the prefills' effect on a decode's speed
+(a fitted ``decode_s_per_token`` carries its average).
 On the decode: preemption (vLLM preempts running requests under memory pressure and
 recomputes them later; here a running turn keeps its blocks to the end and only arrivals
 wait), blocks growing as tokens are generated (a turn takes its whole context's blocks at
@@ -87,7 +95,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnRecord, bucket_of
 from kvtier.ab.sim_decode import DecodeInstance, Retained
@@ -127,6 +135,17 @@ class FleetSpec(BaseModel):
     # turn in (an idealised decode treating retention as a cache; the rule before decode
     # admission was modelled).
     decode_retained: Literal["pinned", "evictable"] = "pinned"
+    # A shared host (the local CPU stack): while k decode instances are busy, a prefill
+    # instance works at 1/(1 + decode_interference * k) of its speed. 0: separate machines.
+    # Processor sharing only.
+    decode_interference: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _interference_needs_sharing(self) -> "FleetSpec":
+        if self.decode_interference > 0 and self.prefill_sharing != "ps":
+            raise ValueError("decode_interference models a shared host under processor "
+                             "sharing; prefill_sharing='fifo' cannot slow a started prefill")
+        return self
 
 
 # ------------------------------------------------------------------------------- state
@@ -175,7 +194,8 @@ class _Job:
 @dataclass
 class _Prefill:
     """One prefill instance. FIFO uses `queue` and `busy`. Processor sharing uses `active`:
-    each job progresses at ``1/len(active)``; remaining work is brought up to date (`advance`)
+    each job progresses at ``rate/len(active)`` (``rate`` < 1 while decodes on a shared host
+    slow the instance); remaining work is brought up to date (`advance`)
     at every arrival and completion on the instance, and only the next completion is
     scheduled, tagged with `epoch` so that one superseded by a later change is ignored.
     `active` stays in arrival order, which orders completions that tie."""
@@ -185,6 +205,7 @@ class _Prefill:
     active: list[_Job] = field(default_factory=list)
     last_update: float = 0.0
     epoch: int = 0
+    rate: float = 1.0  # share of full speed the instance gets (FleetSpec.decode_interference)
     cache: OrderedDict[ConversationId, int] = field(default_factory=OrderedDict)  # conv -> tokens cached
     cache_used: int = 0
 
@@ -193,7 +214,7 @@ class _Prefill:
 
     def advance(self, now: float) -> None:
         if self.active:
-            share = (now - self.last_update) / len(self.active)
+            share = (now - self.last_update) * self.rate / len(self.active)
             for job in self.active:
                 job.remaining -= share
         self.last_update = now
@@ -213,7 +234,7 @@ class _Prefill:
         self.epoch += 1
         if not self.active:
             return None
-        return self.last_update + min(j.remaining for j in self.active) * len(self.active)
+        return self.last_update + min(j.remaining for j in self.active) * len(self.active) / self.rate
 
 
 # Event kinds, in the order they are applied at equal times: expiries and finishes free
@@ -482,6 +503,20 @@ class _Sim:
         self.counters["evicted_device"] += len(evicted)
         for conv, turn, blocks in started:
             self.start_decode(conv, turn, blocks)
+        self.retune()
+
+    def retune(self) -> None:
+        """A shared host: set every prefill instance's speed from the decodes busy now."""
+        beta = self.fleet.decode_interference
+        if beta <= 0:
+            return
+        busy = sum(1 for dec in self.decodes if dec.active_blocks > 0)
+        rate = 1.0 / (1.0 + beta * busy)
+        for i, pf in enumerate(self.prefills):
+            if pf.rate != rate:
+                pf.advance(self.now)
+                pf.rate = rate
+                self.schedule_shared_done(i)
 
     def start_decode(self, conv: ConversationId, turn: int, blocks: int) -> None:
         """Record ``turn``: its prefill answered at ``ready_at`` (TTFT, as measured live); it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.ab.fit import fit_from_records, service_times
+from kvtier.ab.fit import fit_from_records, fit_shared_host, service_times
 from kvtier.ab.records import RunResult, TurnRecord
 from kvtier.ab.simulator import FleetSpec, simulate
 from kvtier.ab.strategies import builtin
@@ -79,3 +79,38 @@ def test_calibrate_simulate_recovers_the_prior(capsys):
     out = capsys.readouterr().out
     assert "10 ms + 200 us*new + 20 ns*new*(cached+new/2)" in out
     assert "read dp_read: setup 2 ms, 4 GB/s" in out
+
+
+def test_service_time_takes_a_busy_decode_out_on_a_shared_host():
+    # a: prefill [0, 4); its decode [4, 10). b: prefill [5, 7) runs beside a's decode
+    r = RunResult("s", [TurnRecord("s", "a", 0, 100, 0, "none", 100, 4.0, 10.0, 0.0, 0.0),
+                        TurnRecord("s", "b", 0, 100, 0, "none", 100, 2.0, 3.0, 0.0, 5.0)])
+    assert service_times(r)[("b", 0)] == pytest.approx(2.0)
+    svc = service_times(r, decode_interference=1.0)
+    assert svc[("b", 0)] == pytest.approx(1.0)  # half speed beside the decode
+    assert svc[("a", 0)] == pytest.approx(4.0)  # nothing decoded during a's prefill
+    with pytest.raises(ValueError):
+        service_times(r, decode_interference=-1.0)
+
+
+def test_shared_host_fit_recovers_a_known_interference():
+    """Simulate a shared host with a known slowdown per busy decode, then fit it back: the
+    interference and the prefill costs both come out (no noise, so the grid's value wins)."""
+    truth = CostModel(kv_bytes_per_token=4096, prefill_a_s=0.05, prefill_b_s_per_token=3e-4,
+                      prefill_c_s_per_token_ctx=4e-8, decode_s_per_token=0.01, block_size=BS,
+                      reads={"dp_read": LinkModel(setup_s=0.02, bytes_per_s=2e9),
+                             "p2p": LinkModel(setup_s=0.02, bytes_per_s=2e9)})
+    # conversations close together: prefills overlap each other and the decodes
+    convs = [ConversationSpec(ConversationId(f"c{k}"), 0.3 * k, 10 + k,
+                              [TurnSpec(300 + 150 * k, 60, 0.0)]
+                              + [TurnSpec(80 + 40 * j, 60, 0.2 + 0.1 * k) for j in range(6)])
+             for k in range(8)]
+    trace = Trace("shared", 4096, convs)
+    fleet = FleetSpec(prefill=1, decode=1, device_blocks_per_decode=10**6,
+                      host_bytes_per_pod=1 << 34, block_size=BS, decode_interference=1.5)
+    runs = [simulate(trace, builtin(n), fleet, truth) for n in ("recompute", "host-p2p")]
+    got = fit_shared_host(runs, truth.kv_bytes_per_token, BS)
+    assert got.decode_interference == pytest.approx(1.5)
+    assert got.cost.prefill_b_s_per_token == pytest.approx(truth.prefill_b_s_per_token, rel=0.05)
+    assert got.relative_rms < dict(got.tried)[0.0]  # ignoring the host explains it worse
+    assert any("shared host" in n for n in got.cost.fit_notes)

@@ -476,3 +476,18 @@ def test_ample_decode_memory_never_waits(regime):
         assert r.meta["decode_queued"] == 0 and all(t.decode_wait_s == 0 for t in r.turns)
         ev = simulate(tr, strategy, FLEET.model_copy(update={"decode_retained": "evictable"}), _cost())
         assert msgspec.json.encode(ev.turns) == msgspec.json.encode(r.turns)
+
+
+def test_a_busy_decode_slows_prefills_on_a_shared_host():
+    """FleetSpec.decode_interference: while a decode runs, a prefill works at 1/(1+β)."""
+    cost = _cost(decode_s_per_token=0.05)
+    first = cost.prefill_s(2000, 0)
+    # c0 prefills alone, then decodes 10 tokens (0.5 s); c1 arrives during that decode
+    tr = _singles((0.0, 2000), (first + 0.01, 500))
+    alone = _ttfts(simulate(tr, "recompute", PS, cost))
+    shared = _ttfts(simulate(tr, "recompute", PS.model_copy(update={"decode_interference": 1.0}), cost))
+    assert alone == pytest.approx([first, cost.prefill_s(500, 0)])
+    assert shared[0] == pytest.approx(first)  # nothing decoded yet
+    assert shared[1] == pytest.approx(2 * cost.prefill_s(500, 0))  # all of it beside the decode
+    with pytest.raises(ValueError, match="fifo"):
+        FleetSpec(prefill_sharing="fifo", decode_interference=1.0)

@@ -73,3 +73,23 @@ def test_fit_link_recovers_setup_and_bandwidth():
         fit_link([ReadSample(100, 0.1), ReadSample(100, 0.2)])
     with pytest.raises(ValueError, match="does not grow"):
         fit_link([ReadSample(100, 0.2), ReadSample(1000, 0.1)])
+
+
+def test_noisy_samples_do_not_pull_the_fit_under_the_median():
+    """Multiplicative, heavy noise (a loaded machine): the fit lands on the typical sample.
+    Dividing rows by the measurement alone (the first pass) settles well under it."""
+    rng = np.random.default_rng(11)
+    clean = _samples(rng, 0.0, (ReusePath.NONE,))
+    noisy = [ServiceSample(s.computed_tokens, s.reused_tokens, s.path,
+                           s.seconds * float(np.exp(0.7 * rng.standard_normal())))
+             for s in clean for _ in range(4)]
+    fit = fit_turns(noisy, 2048, 32)
+    ratio = [s.seconds / fit.ttft_s(None, s.computed_tokens, 0) for s in noisy]
+    assert 0.85 < float(np.median(ratio)) < 1.15
+    # the first pass alone (rows divided by the measured seconds) is biased low
+    from scipy.optimize import nnls
+    x = np.array([[1.0, s.computed_tokens, s.computed_tokens * s.computed_tokens / 2]
+                  for s in noisy])
+    y = np.array([s.seconds for s in noisy])
+    first, _ = nnls(x / y[:, None], np.ones_like(y))
+    assert float(np.median(y / (x @ first))) > 1.3

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.ab.fit import fit_from_records
+from kvtier.ab.fit import fit_shared_host
 from kvtier.ab.live.common import (
     model_facts,
     prior_cost_model,
@@ -211,21 +211,26 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
                   block_size: int, decode_blocks: int | None = None) -> Path:
     """Fit the cost model to the measured turns, replay the trace through the simulator with
     it (device TTLs fixed, as live; decode capacity ``decode_blocks``, the regime's, if set),
-    and write the report. ``specs_as_run`` and ``wall_trace`` are in wall-clock seconds
+    and write the report. Every engine of the local stack shares this host, so the fit also
+    finds how much a busy decode slows a prefill (`kvtier.ab.fit.fit_shared_host`) and the
+    simulator applies it. ``specs_as_run`` and ``wall_trace`` are in wall-clock seconds
     (already scaled by the run's time scale)."""
     meta = {**meta, "kv_bytes_per_token": kvbpt, "block_size": block_size,
             "prefill": prefill, "decode": decode}
     simulated = None
     try:
-        fitted = fit_from_records(results, kvbpt, block_size)
+        shared = fit_shared_host(results, kvbpt, block_size, decode_instances=decode)
+        fitted = shared.cost
         # live vLLM fixes the TTL at start; with decode leases the router re-chooses online
         simulated = simulate_all(wall_trace, specs_as_run, fitted, prefill, decode, block_size,
-                                 online_ttl=None, decode_blocks=decode_blocks)
+                                 online_ttl=None, decode_blocks=decode_blocks,
+                                 decode_interference=shared.decode_interference)
         # Repeated live runs: compare every repeat with the (deterministic) simulation.
         reps = {r.strategy: int(r.meta.get("repeats", 1)) for r in results}
         simulated = [merge_repeats([s] * reps.get(s.strategy, 1)) for s in simulated]
         meta.update(cost_model=fitted.model_dump(),
                     cost_model_source="fitted to this run's turns (in-sample)",
+                    decode_interference=shared.decode_interference,
                     recommendation=fitted.recommend().model_dump())
     except Exception as e:  # noqa: BLE001 - the measured report stands without the simulator
         log.warning("simulator comparison skipped: %s", e)
@@ -262,7 +267,8 @@ def run_ab_report(args: argparse.Namespace) -> int:
         prefill, decode = (int(m.group(1)), int(m.group(2))) if m else (1, 1)
     specs = [StrategySpec.model_validate(r.meta["strategy_spec"]) for r in results]
     keep = {k: v for k, v in meta.items() if k not in (
-        "environment", "cost_model", "cost_model_source", "recommendation", "simulator_skipped")}
+        "environment", "cost_model", "cost_model_source", "recommendation", "simulator_skipped",
+        "decode_interference")}
     keep["rendered_from"] = f"{src} (measured at commit "\
                             f"{meta.get('environment', {}).get('git_commit', '?')})"
     keep["environment"] = meta.get("environment", {})

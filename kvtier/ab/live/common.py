@@ -50,24 +50,27 @@ def prior_cost_model(kvbpt: int, block_size: int = 32) -> CostModel:
 
 
 def sim_fleet(prefill: int, decode: int, block_size: int,
-              decode_blocks: int | None = None) -> FleetSpec:
+              decode_blocks: int | None = None, decode_interference: float = 0.0) -> FleetSpec:
     """The simulated fleet; ``decode_blocks`` (a regime's ``decode_num_blocks``), when set, is
-    each decode instance's KV capacity, as ``--num-gpu-blocks-override`` is on the stack."""
+    each decode instance's KV capacity, as ``--num-gpu-blocks-override`` is on the stack;
+    ``decode_interference`` > 0 models the local stack's shared host (`FleetSpec`)."""
     from kvtier.ab.simulator import FleetSpec
 
     return FleetSpec(prefill=prefill, decode=decode, block_size=block_size,
+                     decode_interference=decode_interference,
                      **({"device_blocks_per_decode": decode_blocks} if decode_blocks else {}))
 
 
 def simulate_all(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill: int,
                  decode: int, block_size: int, online_ttl: bool | None = True,
-                 decode_blocks: int | None = None) -> list[RunResult]:
+                 decode_blocks: int | None = None,
+                 decode_interference: float = 0.0) -> list[RunResult]:
     """Every strategy of ``specs`` on ``trace`` through the discrete-event simulator, on
     `sim_fleet`. ``online_ttl=None``: as deployed live -- adaptive strategies with decode
     leases re-choose their device hold online, the others keep the TTL they started with."""
     from kvtier.ab.simulator import simulate
 
-    fleet = sim_fleet(prefill, decode, block_size, decode_blocks)
+    fleet = sim_fleet(prefill, decode, block_size, decode_blocks, decode_interference)
     return [simulate(trace, s.scaled(1.0), fleet, cost,
                      online_ttl=s.leases if online_ttl is None else online_ttl)
             for s in specs]
