@@ -81,7 +81,6 @@ from kvtier.router.requests import (
 from kvtier.router.retention import Retention
 from kvtier.router.retry import Attempts, Exhausted, Failure, RetryPolicies
 from kvtier.router.store import (
-    ConversationBackend,
     ConversationStore,
     RetainedKV,
     ReuseDecision,
