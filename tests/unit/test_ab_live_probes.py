@@ -13,6 +13,7 @@ from kvtier.ab.live.probes import (
     EngineProbe,
     ServedTurn,
     capture_served,
+    kv_capacity_blocks,
     lease_endpoint,
     lease_metrics_offset,
     lease_metrics_urls,
@@ -85,6 +86,33 @@ def test_engine_probe_records_deltas_per_role_and_peaks() -> None:
     assert abs(s["decode_itl_mean_s"] - 0.02) < 1e-9
     # the summary of a run carries them
     assert RunResult("x", meta={"engine": eng}).summary()["decode_peak_running"] == 3
+
+
+def _cache_info(n: int) -> str:
+    return ('# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="32",'
+            'cache_dtype="auto",engine="0",num_cpu_blocks="None",num_gpu_blocks="%d",'
+            'num_gpu_blocks_override="%d"} 1.0\n' % (n, n))
+
+
+def test_decode_blocks_in_use_come_from_usage_and_the_engines_capacity() -> None:
+    """The ledger's cap: the decode engines' KV usage times their capacity in blocks."""
+    assert kv_capacity_blocks(_cache_info(160)) == 160
+    assert kv_capacity_blocks(_engine_page((0, 0, 0), 0, 0, 0)) is None
+    p, d = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    info = _cache_info(160)
+    fleet = Pages({p: _engine_page((0, 0, 0), 0, 0, 0),  # the prefill does not say: not needed
+                   d: _engine_page((0, 0, 0), 0, 0, 0) + info})
+    probe = EngineProbe([Endpoint("prefill-0", "prefill", p), Endpoint("decode-0", "decode", d)])
+    with fleet.client() as c:
+        probe.start(c)
+        assert probe.capacity == {"decode-0": 160}
+        assert probe.decode_blocks_in_use(probe.sample(c)) == 40.0  # 25% of 160
+        assert probe.decode_blocks_in_use({"prefill-0": 0.25}) != 0  # NaN: decode unread
+    blind = EngineProbe([Endpoint("decode-0", "decode", d)])
+    with Pages({d: _engine_page((0, 0, 0), 0, 0, 0)}).client() as c:
+        blind.start(c)
+        u = blind.decode_blocks_in_use(blind.sample(c))
+        assert u != u  # capacity unknown: no cap
 
 
 def test_an_unreadable_instance_is_left_out() -> None:

@@ -8,7 +8,10 @@ nodes' own retention metrics, and the router's per-request log.
   not use -- and the counter ``vllm:num_preemptions_total``), and in between, per sample, the
   gauges ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (peaks per role) and
   ``vllm:kv_cache_usage_perc``. The result is ``RunResult.meta["engine"]``
-  (``kvtier.ab.records``).
+  (``kvtier.ab.records``). At the start it also reads each instance's KV capacity in blocks
+  (the ``num_gpu_blocks`` label of ``vllm:cache_config_info``), so that usage gives the decode
+  nodes' blocks in use (``decode_blocks_in_use``): an upper bound on what they can retain,
+  which caps the runner's ledger.
 - ``DecodeRetention``: when the decode nodes run ``KVTierNixlConnector`` with decode leases
   (``configs/nixl-bidirectional-lease.json``), their own ``kvtier_decode_blocks_retained``
   gauge and ``kvtier_decode_block_seconds_held_total`` counter, served on the lease port + 1
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +54,14 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+_NUM_BLOCKS = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.M)
+
+
+def kv_capacity_blocks(text: str) -> int | None:
+    """An engine's KV capacity in blocks, from its ``/metrics`` page (``num_gpu_blocks`` of
+    ``vllm:cache_config_info``); None when the page does not say."""
+    m = _NUM_BLOCKS.search(text)
+    return int(m.group(1)) if m and int(m.group(1)) > 0 else None
 RETAINED = "kvtier_decode_blocks_retained"
 BLOCK_SECONDS = "kvtier_decode_block_seconds_held_total"
 
@@ -71,6 +83,7 @@ class EngineProbe:
     endpoints: Sequence[Endpoint]
     _start: dict[str, dict] = field(default_factory=dict)
     _peaks: dict[str, dict[str, float]] = field(default_factory=dict)
+    capacity: dict[str, int] = field(default_factory=dict)  # KV blocks per instance, if known
 
     def _read(self, client: httpx.Client) -> dict[str, dict]:
         out = {}
@@ -86,6 +99,24 @@ class EngineProbe:
 
     def start(self, client: httpx.Client) -> None:
         self._start = self._read(client)
+        for e in self.endpoints:
+            text = page(client, e.url)
+            blocks = kv_capacity_blocks(text) if text is not None else None
+            if blocks is not None:
+                self.capacity[e.name] = blocks
+
+    def decode_blocks_in_use(self, usage: dict[str, float]) -> float:
+        """Blocks in use on the decode instances (running and retained) for one ``sample``'s
+        ``usage``; NaN unless every decode instance's usage and capacity are known."""
+        total = 0.0
+        for e in self.endpoints:
+            if e.role != "decode":
+                continue
+            u, cap = usage.get(e.name, math.nan), self.capacity.get(e.name)
+            if cap is None or not math.isfinite(u):
+                return math.nan
+            total += u * cap
+        return total
 
     def sample(self, client: httpx.Client) -> dict[str, float]:
         """One sample of the gauges: KV usage per instance (returned), peaks kept per role."""

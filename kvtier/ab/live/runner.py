@@ -112,13 +112,16 @@ MEASUREMENT = {
     "transfer_s": "prefill instances' vllm:nixl_xfer_time_seconds_sum over the run, split over "
                   "reusing turns by transferred tokens (peer host-tier reads not included)",
     "device_blocks_retained": "ledger of decode-pinned KV: D's remote_num_tokens after each turn, "
-                              "held until a prefill reads it or D's decoder_kv_blocks_ttl ends",
+                              "held until a prefill reads it or D's decoder_kv_blocks_ttl ends; "
+                              "never more than the decode engines' blocks in use "
+                              "(vllm:kv_cache_usage_perc x num_gpu_blocks) when they say",
     "host_bytes_held": "host-tier blocks (tier KV events, stored - removed, via the indexer) x "
                        "block bytes from the model config",
     "engine_kv_usage": "engines' vllm:kv_cache_usage_perc, sampled with memory (meta)",
     "device_blocks_source": "'decode metrics': the decode nodes' kvtier_decode_blocks_retained "
                             "(samples) and kvtier_decode_block_seconds_held_total (block·s); "
-                            "'ledger': the estimate above",
+                            "'ledger': the estimate above; 'ledger, capped by decode KV in use': "
+                            "some samples were over the decode engines' blocks in use",
     "queue / ITL / preemptions": "engines' vllm:request_queue_time_seconds and "
                                  "vllm:inter_token_latency_seconds histograms and "
                                  "vllm:num_preemptions_total, deltas over the run per role; "
@@ -411,14 +414,27 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         return sum(max(0, p["blocks_stored"] - p["blocks_removed"]) for p in d.values()) \
             * block_bytes
 
+    capped = [0]  # ledger samples over the decode engines' blocks in use
+
     def sampler() -> None:
         with httpx.Client(timeout=5) as c:
             while True:
                 now = time.perf_counter()
                 counted = own.sample(c)
-                blocks = int(counted) if math.isfinite(counted) else ledger.blocks(now)
+                u = probe.sample(c)
+                if math.isfinite(counted):
+                    blocks = int(counted)
+                else:
+                    # The ledger assumes D keeps every turn until read or TTL; a full decode
+                    # node cannot hold more than it has in use (seen: a decode-scarce run's
+                    # ledger averaged 288 retained blocks on a 160-block decode at 92% usage).
+                    blocks = ledger.blocks(now)
+                    in_use = probe.decode_blocks_in_use(u)
+                    if math.isfinite(in_use) and blocks > in_use:
+                        blocks = math.ceil(in_use)
+                        capped[0] += 1
                 memory.append(MemorySample(spec.name, now - t_run, blocks, host_bytes()))
-                usage.append({"t": now - t_run, **probe.sample(c)})
+                usage.append({"t": now - t_run, **u})
                 if stop.wait(opts.sample_interval_s):
                     return
 
@@ -496,7 +512,9 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         "t_end": t_end, "strategy_spec": spec.model_dump(), "nixl_xfer_time_s": xfer,
         "engine_kv_usage": usage, "instances": [d["name"] for d in stack.describe()],
         "topology": f"{len(stack.prefill)}P{len(stack.decode)}D",
-        "engine": probe.finish(http), "device_blocks_source": "ledger"}
+        "engine": probe.finish(http), "engine_kv_blocks": dict(probe.capacity),
+        "device_blocks_source": "ledger, capped by decode KV in use" if capped[0] else "ledger",
+        "ledger_samples_capped": capped[0]}
     if spec.leases:
         rs = spec.router_settings()
         meta["router_retention"] = {k: rs[k] for k in ("retention", "host_copy",
