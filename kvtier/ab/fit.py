@@ -15,7 +15,7 @@
   instances are separate machines. There each turn's service time also divides out
   ``1 + decode_interference`` while a decode is busy (`service_times`), and the interference
   is chosen from a grid as the value whose joint fit explains the turns best (lowest
-  relative RMS error). The simulator applies it back (``FleetSpec.decode_interference``).
+  log RMS error). The simulator applies it back (``FleetSpec.decode_interference``).
 
 Threading model: pure functions.
 """
@@ -104,13 +104,18 @@ def fit_from_records(results: Sequence[RunResult], kv_bytes_per_token: int,
         "decode_s_per_token": max(0.0, statistics.median(tpot)) if tpot else 0.0})
 
 
-def relative_rms(cost: CostModel, samples: Sequence[ServiceSample]) -> float:
+def log_rms_error(cost: CostModel, samples: Sequence[ServiceSample]) -> float:
     """How well ``cost`` explains ``samples``: the RMS of log(predicted / measured), the
-    joint fit's own objective (`kvtier.cost.fit`)."""
-    errs = [math.log(cost.ttft_s(s.path if s.path in cost.reads else None,
-                                 s.computed_tokens + s.reused_tokens, s.reused_tokens)
-                     / s.seconds)
-            for s in samples if s.seconds > 0 and s.computed_tokens > 0]
+    joint fit's own objective (`kvtier.cost.fit`). A sample predicts as the fit's row does:
+    the prefill of its computed tokens on top of its reused ones, plus the read of those over
+    its path (none for ``local``/``none``)."""
+    errs = []
+    for s in samples:
+        if s.seconds <= 0 or s.computed_tokens <= 0:
+            continue
+        read = cost.read_s(s.path, s.reused_tokens) if s.path in cost.reads else 0.0
+        predicted = read + cost.prefill_s(s.computed_tokens, s.reused_tokens)
+        errs.append(math.log(max(predicted, 1e-12) / s.seconds))
     if not errs:
         raise ValueError("no sample with computed tokens and positive seconds")
     return math.sqrt(sum(e * e for e in errs) / len(errs))
@@ -120,8 +125,8 @@ def relative_rms(cost: CostModel, samples: Sequence[ServiceSample]) -> float:
 class SharedHostFit:
     cost: CostModel
     decode_interference: float  # a prefill's slowdown per busy decode instance (β)
-    relative_rms: float  # of the chosen fit
-    tried: tuple[tuple[float, float], ...]  # (β, relative RMS) for every candidate
+    log_rms: float  # of the chosen fit (`log_rms_error`)
+    tried: tuple[tuple[float, float], ...]  # (β, log RMS error) for every candidate
 
 
 def fit_shared_host(results: Sequence[RunResult], kv_bytes_per_token: int, block_size: int,
@@ -129,7 +134,7 @@ def fit_shared_host(results: Sequence[RunResult], kv_bytes_per_token: int, block
                     grid: Sequence[float] = INTERFERENCE_GRID) -> SharedHostFit:
     """The cost model and decode interference of runs on one shared host (the local stack):
     for each β of ``grid``, `fit_from_records` with β taken out; the β whose fit has the
-    lowest relative RMS error wins (ties: the smaller β)."""
+    lowest log RMS error wins (ties: the smaller β)."""
     if not grid:
         raise ValueError("empty interference grid")
     best: tuple[float, float, CostModel] | None = None
@@ -137,7 +142,7 @@ def fit_shared_host(results: Sequence[RunResult], kv_bytes_per_token: int, block
     for beta in sorted(grid):
         samples = _samples(results, beta, decode_instances)
         cost = fit_turns(samples, kv_bytes_per_token, block_size)
-        err = relative_rms(cost, samples)
+        err = log_rms_error(cost, samples)
         tried.append((beta, err))
         if best is None or err < best[1] - 1e-12:
             best = (beta, err, cost)
@@ -145,7 +150,7 @@ def fit_shared_host(results: Sequence[RunResult], kv_bytes_per_token: int, block
     beta, err, _ = best
     model = fit_from_records(results, kv_bytes_per_token, block_size, beta, decode_instances)
     note = (f"shared host: a prefill runs 1/(1 + {beta:g}·k) as fast while k decode instances "
-            f"are busy (chosen from {len(tried)} values by the fit's relative RMS error, "
+            f"are busy (chosen from {len(tried)} values by the fit's log RMS error, "
             f"{err:.3f}; {dict(tried).get(0.0, float('nan')):.3f} without it)")
     model = model.model_copy(update={"fit_notes": (*model.fit_notes, note)})
     return SharedHostFit(model, beta, err, tuple(tried))
