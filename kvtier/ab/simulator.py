@@ -52,8 +52,10 @@ What is modelled (and what the live run measures the same way, so `compare` is f
 - **Path choice**: fixed strategies read D→P when at least ``kv_recompute_threshold``
   tokens would be pulled (vLLM's gate), else from a peer host when the delta is at least
   ``min_cached_token_delta``; ``adaptive`` strategies take `kvtier.cost.decide` by cost per
-  request. (The simulated world *is* the cost model, so an online refit would converge to
-  it at once; the adaptive strategy uses it directly.)
+  request, with the cost model their router was deployed with (``StrategySpec.cost_model``;
+  without one, the simulated world's, which an online refit would converge to at once).
+  Replaying a live run, the world is the run's in-sample fit while the router decided with
+  its deployed model: the two differ where a calibration does not match the loaded stack.
 - **Adaptive device TTL**: ``adaptive`` strategies re-choose the decode TTL online from
   the tool waits observed so far (`kvtier.cost.retention.choose_device_ttl`, last 512 waits,
   every 8 new ones; TTL 0, no retention, when no TTL pays for its memory); ``online_ttl=False``
@@ -270,8 +272,11 @@ class _Policy:
 
 
 class _Sim:
-    def __init__(self, trace: Trace, policy: _Policy, fleet: FleetSpec, cost: CostModel) -> None:
+    def __init__(self, trace: Trace, policy: _Policy, fleet: FleetSpec, cost: CostModel,
+                 decide_cost: CostModel | None = None) -> None:
         self.trace, self.p, self.fleet, self.cost = trace, policy, fleet, cost
+        # what the deployed strategy decides with (paths, holds, TTLs); `cost` times the work
+        self.decide_cost = decide_cost or cost
         self.bs = fleet.block_size
         self.prefills = [_Prefill() for _ in range(fleet.prefill)]
         self.decodes = [DecodeInstance(fleet.device_blocks_per_decode,
@@ -301,8 +306,9 @@ class _Sim:
         # like the router's at its entry TTL (the device TTL less the router's margin)
         self.hold: HoldPolicy | None = None
         self.hold_cap = policy.ttl_s - router_ttl_margin_s(policy.ttl_s)
-        if policy.leases and policy.online_ttl and policy.ttl_s > 0 and "dp_read" in cost.reads:
-            self.hold = HoldPolicy(cost, host_copy=policy.host_copy and policy.p2p,
+        if policy.leases and policy.online_ttl and policy.ttl_s > 0 \
+                and "dp_read" in self.decide_cost.reads:
+            self.hold = HoldPolicy(self.decide_cost, host_copy=policy.host_copy and policy.p2p,
                                    default_hold_s=self.hold_cap, horizon_s=policy.horizon_s)
         self.record_of: dict[tuple[ConversationId, int], TurnRecord] = {}
 
@@ -451,7 +457,7 @@ class _Sim:
         self.waits.append(WaitSample(self.now - t, tokens))
         n = len(self.waits)
         if n >= ADAPTIVE_MIN_WAITS and (n - ADAPTIVE_MIN_WAITS) % ADAPTIVE_REFIT_EVERY == 0:
-            choice = choose_device_ttl(self.cost, list(self.waits),
+            choice = choose_device_ttl(self.decide_cost, list(self.waits),
                                        host_copy=self.p.host_copy and self.p.p2p,
                                        horizon_s=self.p.horizon_s)
             ttl = choice.ttl_s if choice.retain else 0.0  # 0: keep nothing on the device
@@ -463,7 +469,7 @@ class _Sim:
         """kvtier.cost.decide, as the deployed strategy would: by expected cost (adaptive), or
         by vLLM's ``kv_recompute_threshold`` and the router's ``min_cached_token_delta``."""
         if self.p.adaptive:
-            d = decide(prompt, offers, local_tokens=local, cost=self.cost)
+            d = decide(prompt, offers, local_tokens=local, cost=self.decide_cost)
         else:
             d = decide(prompt, offers, local_tokens=local,
                        thresholds={ReusePath.DP_READ: self.p.threshold, ReusePath.P2P: self.p.delta})
@@ -599,6 +605,9 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
     size is the spec's ``host_bytes`` where set.
     ``online_ttl``: adaptive strategies re-choose their device TTL as waits arrive; False
     keeps the spec's TTL fixed, as a live vLLM stack does (for comparing with a live run).
+    ``cost`` times the work. An adaptive strategy decides (path per turn, device holds) with
+    the spec's own ``cost_model`` when it has one -- the model its router was deployed
+    with, which a run's in-sample fit need not equal -- else with ``cost``.
     """
     spec = builtin(strategy) if isinstance(strategy, str) else strategy
     if spec.host_bytes is not None:
@@ -611,7 +620,7 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
         raise ValueError(f"strategy {spec.name} reads over {missing}; the cost model has {sorted(cost.reads)}")
     if cost.block_size != fleet.block_size:
         raise ValueError(f"cost model block_size {cost.block_size} != fleet block_size {fleet.block_size}")
-    return _Sim(trace, policy, fleet, cost).run()
+    return _Sim(trace, policy, fleet, cost, spec.cost_model).run()
 
 
 def simulate_all(trace: Trace, strategies: Sequence[StrategySpec | str], fleet: FleetSpec,

@@ -19,7 +19,7 @@ from kvtier.ab.traces import (
     turn_plan,
 )
 from kvtier.cost.model import CostModel, LinkModel
-from kvtier.ids import ConversationId
+from kvtier.ids import ConversationId, ReusePath
 
 BS = 32
 
@@ -491,3 +491,20 @@ def test_a_busy_decode_slows_prefills_on_a_shared_host():
     assert shared[1] == pytest.approx(2 * cost.prefill_s(500, 0))  # all of it beside the decode
     with pytest.raises(ValueError, match="fifo"):
         FleetSpec(prefill_sharing="fifo", decode_interference=1.0)
+
+
+def test_an_adaptive_strategy_decides_with_its_deployed_cost_model():
+    """Replaying a live run: the work is timed by the world's (fitted) cost model, but the
+    router held and chose paths with the model it was deployed with (StrategySpec.cost_model)."""
+    tr = _trace(wait=3.0)
+    world = _cost(reads={"dp_read": LinkModel(setup_s=0.004, bytes_per_s=4e9),
+                         "p2p": LinkModel(setup_s=0.02, bytes_per_s=4e9)})
+    # a router that believed device reads cost what host reads do: never worth holding
+    flat = _cost(reads={"dp_read": LinkModel(setup_s=0.02, bytes_per_s=4e9),
+                        "p2p": LinkModel(setup_s=0.02, bytes_per_s=4e9)})
+    spec = builtin("tiered-adaptive")
+    as_world = simulate(tr, spec.with_cost_model(world), FLEET, world)
+    as_deployed = simulate(tr, spec.with_cost_model(flat), FLEET, world)
+    assert as_world.device_block_seconds() > 0  # 3 s waits: holding pays in the world's model
+    assert as_deployed.device_block_seconds() == 0  # the deployed router released every turn
+    assert {t.reuse_path for t in as_deployed.follow_ups} == {ReusePath.P2P}
