@@ -189,16 +189,18 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
-                 name: str = "kvtier-server", sock: socket.socket | None = None) -> None:
+                 name: str = "kvtier-server", sock: socket.socket | None = None,
+                 keepalive_s: int = 5) -> None:
         import uvicorn  # only programs that serve pay for the import
 
         self._sock = sock if sock is not None else listen(host, port)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         self.app = app
+        # keepalive_s: how long an idle client connection stays open (uvicorn's default, 5 s)
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=self.port, log_level="warning", access_log=False,
-            lifespan="on"))
+            lifespan="on", timeout_keep_alive=keepalive_s))
         self._errors = _ErrorLog()
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

@@ -158,9 +158,11 @@ def run(args: argparse.Namespace) -> int:
     if cfg.workers > 1:
         os.environ[_CONFIG_ENV] = cfg.model_dump_json()
         uvicorn.run("kvtier.router.cli:worker_app", factory=True, workers=cfg.workers,
-                    host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+                    host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                    timeout_keep_alive=cfg.client_keepalive_s)
         return 0
     app = create_app(cfg)
     _freeze()
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                timeout_keep_alive=cfg.client_keepalive_s)
     return 0

@@ -158,6 +158,12 @@ class RouterConfig(BaseModel):
     # Sent to engines as `Authorization: Bearer ...` (vLLM --api-key); clients' tokens
     # never are.
     engine_api_key: str | None = None
+    # How long an idle client connection is kept open, seconds. An agent sends its next turn
+    # after a tool's wait on the connection it kept; a server that closes first races that
+    # send and the client sees "server disconnected" (uvicorn's default of 5 s did, in a
+    # live A/B). Longer than clients' own idle expiry (httpx 5 s, aiohttp 15 s), so the
+    # client is the one that closes.
+    client_keepalive_s: int = Field(75, ge=1)
     # Upstream connections per engine instance (bounded pool, kept alive).
     pool_max_connections: int = Field(256, ge=1)
     pool_keepalive_s: float = Field(30.0, gt=0)

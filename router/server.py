@@ -43,7 +43,8 @@ class RouterServer:
         except BaseException:
             sock.close()
             raise
-        self._thread = ServerThread(self.app, self.config.host, name="kvtier-router", sock=sock)
+        self._thread = ServerThread(self.app, self.config.host, name="kvtier-router", sock=sock,
+                                    keepalive_s=self.config.client_keepalive_s)
 
     @property
     def url(self) -> str:

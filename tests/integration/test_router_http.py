@@ -147,3 +147,19 @@ def test_streamed_turn_keeps_reuse_through_a_real_params_feed() -> None:
         assert 'kvtier_router_params_feed_total{result="received"}' in text
     finally:
         pub.close()
+
+
+def test_client_keepalive_s_is_how_long_the_router_keeps_an_idle_connection() -> None:
+    import socket
+    import time
+
+    cfg = RouterConfig.model_validate({"decode": [dead_url()], "port": 0, "log_json": False,
+                                       "client_keepalive_s": 1})
+    with RouterServer(cfg, health_checks=False) as srv, \
+            socket.create_connection(("127.0.0.1", srv.config.port), timeout=5) as conn:
+        conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"HTTP/1.1" in conn.recv(4096)
+        time.sleep(2.0)  # past client_keepalive_s: the router has closed it
+        conn.settimeout(0.5)  # closed answers b"" at once; still open would time out
+        assert conn.recv(4096) == b""
+    assert RouterConfig.model_validate({"decode": [dead_url()]}).client_keepalive_s == 75

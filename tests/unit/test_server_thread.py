@@ -73,3 +73,33 @@ def test_listen_on_free_port_serves_a_router_style_socket() -> None:
     with ServerThread(_app(), sock=sock) as srv:
         assert srv.port == sock.getsockname()[1]
         assert httpx.get(srv.url + "/").text == "hi"
+
+
+def _get(conn: socket.socket) -> bytes:
+    conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    return conn.recv(4096)
+
+
+def test_an_idle_client_connection_stays_open_for_keepalive_s() -> None:
+    """An agent sends its next turn on the connection it kept, after a tool's wait: the server
+    must not close it first (the client would see "server disconnected")."""
+    import time
+
+    with ServerThread(_app(), keepalive_s=3) as srv, \
+            socket.create_connection((srv.host, srv.port), timeout=5) as conn:
+        assert b"200 OK" in _get(conn)
+        time.sleep(1.5)  # idle, within keepalive_s
+        assert b"200 OK" in _get(conn)
+    with ServerThread(_app(), keepalive_s=1) as srv, \
+            socket.create_connection((srv.host, srv.port), timeout=5) as conn:
+        assert b"200 OK" in _get(conn)
+        time.sleep(2.0)  # past keepalive_s: the server has closed it
+        conn.settimeout(0.5)  # closed answers b"" at once; still open would time out
+        assert conn.recv(4096) == b""
+
+
+def test_the_router_keeps_client_connections_longer_than_clients_do() -> None:
+    from kvtier.router.config import RouterConfig
+
+    # longer than httpx's (5 s) and aiohttp's (15 s) idle expiry: the client closes first
+    assert RouterConfig.model_fields["client_keepalive_s"].default > 15
