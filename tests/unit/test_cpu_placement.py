@@ -103,6 +103,13 @@ def test_many_busy_threads_are_left_alone():
     """More busy threads than NIXL would make: not spinners to demote (e.g. OpenMP at work)."""
     many = CHILD.replace('threading.Thread(target=spin, daemon=True, name="spin").start()',
                          'for _ in range(4): threading.Thread(target=spin, daemon=True).start()')
+    # Spin without the GIL (hashlib releases it on large buffers), as OpenMP threads do: a
+    # thread waiting for the GIL sleeps, so pure-Python spinners showed as 1-2 busy threads on
+    # a loaded CI machine and one was demoted.
+    gil_free = "    data = b'x' * (1 << 20)\n    while True:\n        hashlib.sha256(data).digest()\n"
+    many = many.replace("import os, sys, threading, time", "import hashlib, os, sys, threading, time")
+    many = many.replace("    while True:\n        pass\n", gil_free)
+    assert "hashlib.sha256" in many
     p = subprocess.Popen([sys.executable, "-c", many, WORKER_COMM, str(os.sched_getaffinity(0).pop())],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip().isdigit()
