@@ -403,9 +403,14 @@ def test_client_disconnect_cancels_upstream(http, stack, router):
             assert _wait(lambda: running() == 1, 30)
     assert _wait(lambda: running() == 0, 4), "streamed request kept running after disconnect"
     gone0 = router_metric(http, router, "kvtier_router_client_disconnects_total")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(router.url + "/v1/completions", json={**body, "conversation_id": "gone"},
-                   timeout=httpx.Timeout(60, read=1.5))
+    try:
+        r = httpx.post(router.url + "/v1/completions", json={**body, "conversation_id": "gone"},
+                       timeout=httpx.Timeout(60, read=1.5))
+    except httpx.ReadTimeout:
+        pass  # the client left while the 4,000 tokens were being generated
+    else:  # once in CI: say what came back instead of only "DID NOT RAISE"
+        pytest.fail(f"the router answered within the 1.5 s read timeout: {r.status_code} "
+                    f"{r.headers.get('x-kvtier-reuse')} {r.text[:300]}")
     assert _wait(lambda: running() == 0, 4), "request kept running after client left"
     assert _wait(lambda: router_metric(http, router, "kvtier_router_client_disconnects_total")
                  > gone0, 4)
