@@ -94,8 +94,12 @@ def fit_from_records(results: Sequence[RunResult], kv_bytes_per_token: int,
     """The cost model of these runs: ``kvtier.cost.fit.fit_turns`` over every turn's service
     time (``decode_interference`` taken out, see `service_times`), plus the decode time per
     token."""
-    model = fit_turns(_samples(results, decode_interference, decode_instances),
-                      kv_bytes_per_token, block_size)
+    return _with_decode(fit_turns(_samples(results, decode_interference, decode_instances),
+                                  kv_bytes_per_token, block_size), results)
+
+
+def _with_decode(model: CostModel, results: Sequence[RunResult]) -> CostModel:
+    """``model`` (a prefill fit of ``results``) with their decode time per token."""
     every = [t for r in results for t in r.ok_turns]
     tpot = [(t.e2e_s - t.ttft_s) / t.response_tokens for t in every if t.response_tokens > 1]
     return model.model_copy(update={
@@ -133,8 +137,8 @@ def fit_shared_host(results: Sequence[RunResult], kv_bytes_per_token: int, block
                     decode_instances: int = 1,
                     grid: Sequence[float] = INTERFERENCE_GRID) -> SharedHostFit:
     """The cost model and decode interference of runs on one shared host (the local stack):
-    for each β of ``grid``, `fit_from_records` with β taken out; the β whose fit has the
-    lowest log RMS error wins (ties: the smaller β)."""
+    for each β of ``grid``, the prefill fit with β taken out (as `fit_from_records`); the β
+    whose fit has the lowest log RMS error wins (ties: the smaller β)."""
     if not grid:
         raise ValueError("empty interference grid")
     best: tuple[float, float, CostModel] | None = None
@@ -147,8 +151,8 @@ def fit_shared_host(results: Sequence[RunResult], kv_bytes_per_token: int, block
         if best is None or err < best[1] - 1e-12:
             best = (beta, err, cost)
     assert best is not None
-    beta, err, _ = best
-    model = fit_from_records(results, kv_bytes_per_token, block_size, beta, decode_instances)
+    beta, err, prefill_fit = best
+    model = _with_decode(prefill_fit, results)
     note = (f"shared host: a prefill runs 1/(1 + {beta:g}·k) as fast while k decode instances "
             f"are busy (chosen from {len(tried)} values by the fit's log RMS error, "
             f"{err:.3f}; {dict(tried).get(0.0, float('nan')):.3f} without it)")
