@@ -11,7 +11,7 @@
   with ``n`` computed and ``k`` reused tokens. Fitting prefill on no-reuse samples alone
   would extrapolate from (long new, no cache) to (short new, long cache), where agentic
   follow-ups live; the joint fit sees both. Relative error (each row weighted by
-  1/seconds, then in log space: `nnls_relative`), so 5 ms and 5 s prefills count alike
+  1/seconds, then in log space: `_nnls_relative`), so 5 ms and 5 s prefills count alike
   and noisy samples do not pull the fit under the typical one. A read path no sample took borrows the
   other path's link, or ``NIXL_CPU_PRIOR``; every choice is written into ``fit_notes``.
 - ``fit_link(samples)`` fits ``setup + bytes / bandwidth`` to bare transfers (a link measured
@@ -56,7 +56,7 @@ class ReadSample(msgspec.Struct, frozen=True):
     seconds: float
 
 
-def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative ``coef`` with ``x·coef ≈ y`` in relative error, aimed at the median.
 
     A first pass minimises ``Σ (x·coef / y - 1)²`` (`scipy.optimize.nnls` on rows divided by
@@ -104,7 +104,7 @@ def fit_turns(samples: Sequence[ServiceSample], kv_bytes_per_token: int,
         raise ValueError(f"need at least 3 samples with computed tokens and positive seconds, "
                          f"got {len(rows)}")
     x, y = np.array(rows), np.array(ys)
-    coef = nnls_relative(x, y)
+    coef = _nnls_relative(x, y)
     a, b, c = (float(v) for v in coef[:3])
     notes = [f"joint fit over {len(rows)} prefills (relative non-negative least squares)"]
     links: dict[str, LinkModel] = {}
@@ -138,7 +138,7 @@ def fit_link(samples: Sequence[ReadSample]) -> LinkModel:
         raise ValueError("need read samples of at least two distinct sizes")
     if np.any(y <= 0):
         raise ValueError("read samples need positive seconds")
-    setup, per_byte = nnls_relative(np.column_stack([np.ones_like(nb), nb]), y)
+    setup, per_byte = _nnls_relative(np.column_stack([np.ones_like(nb), nb]), y)
     if per_byte <= 0:
         raise ValueError("read time does not grow with size; cannot fit a bandwidth")
     return LinkModel(setup_s=float(setup), bytes_per_s=float(1.0 / per_byte))

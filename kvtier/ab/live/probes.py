@@ -55,6 +55,8 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 _NUM_BLOCKS = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.M)
+RETAINED = "kvtier_decode_blocks_retained"
+BLOCK_SECONDS = "kvtier_decode_block_seconds_held_total"
 
 
 def kv_capacity_blocks(text: str) -> int | None:
@@ -62,8 +64,6 @@ def kv_capacity_blocks(text: str) -> int | None:
     ``vllm:cache_config_info``); None when the page does not say."""
     m = _NUM_BLOCKS.search(text)
     return int(m.group(1)) if m and int(m.group(1)) > 0 else None
-RETAINED = "kvtier_decode_blocks_retained"
-BLOCK_SECONDS = "kvtier_decode_block_seconds_held_total"
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,16 @@ class EngineProbe:
     _peaks: dict[str, dict[str, float]] = field(default_factory=dict)
     capacity: dict[str, int] = field(default_factory=dict)  # KV blocks per instance, if known
 
-    def _read(self, client: httpx.Client) -> dict[str, dict]:
+    def _read(self, client: httpx.Client, capacity: bool = False) -> dict[str, dict]:
+        """Each readable instance's counters; with ``capacity``, its KV blocks too (into
+        ``self.capacity``), from the same page."""
         out = {}
         for e in self.endpoints:
             text = page(client, e.url)
             if text is None:
                 continue
+            if capacity and (blocks := kv_capacity_blocks(text)) is not None:
+                self.capacity[e.name] = blocks
             try:
                 out[e.name] = _counters(text)
             except ValueError:
@@ -98,12 +102,7 @@ class EngineProbe:
         return out
 
     def start(self, client: httpx.Client) -> None:
-        self._start = self._read(client)
-        for e in self.endpoints:
-            text = page(client, e.url)
-            blocks = kv_capacity_blocks(text) if text is not None else None
-            if blocks is not None:
-                self.capacity[e.name] = blocks
+        self._start = self._read(client, capacity=True)
 
     def decode_blocks_in_use(self, usage: dict[str, float]) -> float:
         """Blocks in use on the decode instances (running and retained) for one ``sample``'s
