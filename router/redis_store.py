@@ -272,7 +272,9 @@ class RedisStore:
 
     async def aclose(self) -> None:
         try:
-            await self.redis.aclose()
+            # The pool was passed in, so Redis would leave its sockets open (one per
+            # connection ever made: a test process ran out of descriptors that way).
+            await self.redis.aclose(close_connection_pool=True)
         except (RedisError, OSError):
             pass
 

@@ -5,6 +5,7 @@ router loses nothing, and a Redis outage serves without reuse (never a 5xx)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import time
@@ -178,6 +179,30 @@ def test_concurrent_takes_hand_an_entry_out_once(backend: str) -> None:
         for s in {id(x): x for x in [first, *stores]}.values():
             await s.aclose()
     run(go())
+
+
+def test_a_closed_store_leaves_no_sockets_open(backend: str) -> None:
+    """Closing a store closes every connection it made (a Redis pool handed to the client is
+    not closed with it by default: 60 concurrent takes left 60 sockets open per store)."""
+    def sockets() -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum(1 for fd in fds if _readlink(f"/proc/self/fd/{fd}").startswith("socket:"))
+
+    async def go() -> None:
+        before = sockets()
+        s = make_store(backend, uuid.uuid4().hex)
+        await s.aput(entry("c", list(range(12))))
+        await asyncio.gather(*(s.atake("", ConversationId("c")) for _ in range(30)))
+        await s.aclose()
+        assert sockets() <= before, f"{sockets() - before} sockets left open"
+    run(go())
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed between listing and reading
+        return ""
 
 
 # ---- Redis outage ------------------------------------------------------------------------
