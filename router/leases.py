@@ -3,8 +3,10 @@
 A decode node running ``KVTierNixlConnector`` with ``decode_lease_s`` holds each retained turn
 under a lease (``kvtier.leases``) that runs out unless renewed. ``LeaseKeeper`` tracks, per
 decode node, the engine request ids whose params the router keeps for a next turn, and every
-``lease_s / 3`` renews those still worth holding in one message per node (a router that dies
-stops renewing, and the nodes free its turns within one lease). It releases a turn early when
+``lease_s / 3`` renews those still worth holding in one message per node, all nodes at once
+and on a fixed cadence, so one slow or dead node neither delays the others nor pushes the
+next round back (a router that dies stops renewing, and the nodes free its turns within one
+lease). It releases a turn early when
 the router gives it up: params dropped or trimmed, the next turn served another way, the
 conversation closed, or the hold the adaptive policy chose is over (``hold_until``). A renewal
 that finds the lease gone tells the router (``on_lost``) so it drops the params instead of
@@ -100,28 +102,39 @@ class LeaseKeeper:
             await self.call(pod, LeaseRequest(Op.RELEASE, ids, None, reason))
 
     async def renew_all(self) -> None:
-        """One renewal round: renew what is still worth holding, release the rest."""
+        """One renewal round: renew what is still worth holding, release the rest; every node
+        at once, so a node that does not answer delays nobody else's renewal."""
         now = time.monotonic()
-        for pod, held in self._held.items():
-            over = [rid for rid, h in held.items() if h.hold_until <= now]
-            if over:
-                await self.release(pod, over, ReleaseReason.MOVED)
-            ids = tuple(held)
-            if not ids:
+        pods = list(self._held)
+        results = await asyncio.gather(*(self._renew_pod(p, now) for p in pods),
+                                       return_exceptions=True)
+        for pod, r in zip(pods, results):
+            if isinstance(r, BaseException):
+                if isinstance(r, asyncio.CancelledError):
+                    raise r
+                log.error("lease renewal on %s failed", pod, exc_info=r)
+
+    async def _renew_pod(self, pod: PodId, now: float) -> None:
+        held = self._held[pod]
+        over = [rid for rid, h in held.items() if h.hold_until <= now]
+        if over:
+            await self.release(pod, over, ReleaseReason.MOVED)
+        ids = tuple(held)
+        if not ids:
+            return
+        reply = await self.call(pod, LeaseRequest(Op.RENEW, ids, self.lease_s))
+        if reply is None:
+            return
+        for rid, state in reply.leases.items():
+            h = held.get(rid)
+            if h is None:
                 continue
-            reply = await self.call(pod, LeaseRequest(Op.RENEW, ids, self.lease_s))
-            if reply is None:
-                continue
-            for rid, state in reply.leases.items():
-                h = held.get(rid)
-                if h is None:
-                    continue
-                if state.held:
-                    h.deadline = state.deadline
-                else:
-                    held.pop(rid, None)
-                    if self.on_lost is not None:
-                        self.on_lost(pod, rid)
+            if state.held:
+                h.deadline = state.deadline
+            else:
+                held.pop(rid, None)
+                if self.on_lost is not None:
+                    self.on_lost(pod, rid)
 
     async def call(self, pod: PodId, req: LeaseRequest) -> LeaseReply | None:
         """One request to ``pod``'s lease server; None when it did not answer in time."""
@@ -157,12 +170,15 @@ class LeaseKeeper:
             self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
+        period = self.lease_s / 3
+        due = time.monotonic() + period
         while True:
-            await asyncio.sleep(self.lease_s / 3)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             try:
                 await self.renew_all()
             except Exception:  # a bad round must not stop renewing
                 log.exception("lease renewal round failed")
+            due = next_round(due, time.monotonic(), period)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -173,3 +189,14 @@ class LeaseKeeper:
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
+
+
+def next_round(due: float, now: float, period: float) -> float:
+    """When the renewal round after the one ``due`` then starts, if it ended at ``now``.
+
+    Rounds keep a fixed cadence from when they were due, not from when the last one ended: a
+    round that waited out a node's timeout (1 s) must not push the next one back by as much,
+    or a 3 s lease renewed every 1 s would run out after a single late answer. A round that
+    overran whole periods is followed at once, once (no burst of catch-up rounds)."""
+    nxt = due + period
+    return nxt if nxt > now else now

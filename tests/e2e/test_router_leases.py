@@ -86,6 +86,16 @@ def turn(http: httpx.Client, stack, url: str, prompt: list[int], conv: str,
     return gen, r.headers["x-kvtier-reuse"], metric(http, p, EXT[0], **EXT[1]) - ext0
 
 
+def lease_story(http: httpx.Client, router_url: str, node_metrics: str) -> str:
+    """Both sides' lease counters, for a failure message: which side let a lease go."""
+    text = http.get(router_url + "/metrics").text
+    calls = [ln for ln in text.splitlines()
+             if ln.startswith(("kvtier_router_lease_", "kvtier_router_leases_held"))]
+    node = {n: metric(http, node_metrics, f"kvtier_decode_leases_{n}_total")
+            for n in ("granted", "renewed", "expired", "released", "read")}
+    return f"router {calls}; decode node {node}"
+
+
 def idle(http: httpx.Client, stack) -> None:
     D = stack.decode[0].url
     assert wait_until(lambda: metric(http, D, USAGE) == 0, 60, 0.2), \
@@ -120,7 +130,8 @@ def test_router_renews_a_live_conversation_past_several_leases(http, stack):
         gen, _, _ = turn(http, stack, r.url, p1, "live")
         ren0 = metric(http, mets, "kvtier_decode_leases_renewed_total")
         time.sleep(9.0)  # three leases of 3 s
-        assert metric(http, D, USAGE) > 0, "a conversation the router holds lost its blocks"
+        assert metric(http, D, USAGE) > 0, \
+            "a conversation the router holds lost its blocks: " + lease_story(http, r.url, mets)
         assert metric(http, mets, "kvtier_decode_leases_renewed_total") >= ren0 + 2
         _, reuse, ext = turn(http, stack, r.url, p1 + gen + ids(7102, 40), "live")
         assert reuse.startswith("dp_read"), reuse

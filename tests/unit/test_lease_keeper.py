@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
-from kvtier.router.leases import LeaseKeeper
+from kvtier.router.leases import LeaseKeeper, next_round
 
 from kvtier.ids import PodId
 from kvtier.leases import LeaseServer, LeaseTable
@@ -82,3 +83,38 @@ def test_a_dead_node_costs_one_timeout_and_no_exception():
 def test_bad_lease_is_refused():
     with pytest.raises(ValueError, match="lease_s"):
         LeaseKeeper({}, 0)
+
+
+def test_rounds_keep_their_cadence_after_a_slow_one():
+    # due at 1.0, ended at 1.9 (a node's timeout): the next is due at 2.0, not 2.9
+    assert next_round(1.0, 1.9, 1.0) == 2.0
+    assert next_round(1.0, 1.05, 1.0) == 2.0
+    # a round that overran whole periods (a stalled loop) is followed at once, once
+    assert next_round(1.0, 4.5, 1.0) == 4.5
+    assert next_round(4.5, 4.6, 1.0) == 5.5
+
+
+def test_a_dead_node_does_not_delay_another_nodes_renewal(node):
+    table, server = node
+    table.grant("a", 1, ttl_deadline=table.clock() + 480, lease_s=5.0)
+    dead = PodId("decode-dead")
+    (port,) = free_ports(1)
+    # the dead node first: renewed one after the other, "a" would wait out its timeout
+    keeper = LeaseKeeper({dead: f"tcp://127.0.0.1:{port}", D: server.endpoint}, 20.0,
+                         timeout_s=3.0)
+    renewed_at: list[float] = []
+
+    async def go():
+        keeper.track(dead, "x")
+        keeper.track(D, "a")
+        t0 = time.monotonic()
+        task = asyncio.create_task(keeper.renew_all())
+        while keeper.deadline(D, "a") is None:
+            await asyncio.sleep(0.01)
+        renewed_at.append(time.monotonic() - t0)
+        await task
+        await keeper.stop()
+
+    asyncio.run(go())
+    assert renewed_at[0] < 2.0, f"the live node was renewed after {renewed_at[0]:.1f} s"
+    assert table.snapshot()["renewed"] == 1
