@@ -66,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--cost-model", default=None, dest="cost_model", metavar="FILE",
                     help="cost model JSON (kvtier calibrate --out): pick the reuse path per "
                          "turn by expected TTFT and hand the prefill only that path's params")
+    ap.add_argument("--cost-refit", action="store_true", default=None, dest="cost_refit",
+                    help="refit the cost model online from the prefill legs the router times "
+                         "(needs --cost-model)")
     ap.add_argument("--store", default=None, metavar="memory|redis://HOST:PORT/DB",
                     help="conversation store (default memory; redis is shared by routers "
                          "and workers)")
@@ -93,7 +96,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
     overrides = {k: getattr(args, k, None) for k in (
         "prefill", "decode", "indexer", "host", "port", "api_keys", "block_size",
-        "decode_kv_ttl_s", "stream_capture", "cost_model", "store", "workers",
+        "decode_kv_ttl_s", "stream_capture", "cost_model", "cost_refit", "store", "workers",
         "engine_api_key", "decode_lease_s", "retention")}
     timeouts = {k: v for k, v in (("prefill_s", getattr(args, "prefill_timeout", None)),
                                   ("decode_idle_s", getattr(args, "decode_idle_timeout", None)))

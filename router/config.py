@@ -138,6 +138,13 @@ class RouterConfig(BaseModel):
     # CostAwareConnector and the simulator make) and hands the prefill only that path's
     # params; without one, it hands over every path it has and the engine's connector picks.
     cost_model: CostModel | None = None
+    # Refit that cost model online from the prefill legs this router times (their tokens,
+    # reuse path and seconds, queueing included; kvtier.cost.online): it starts as the
+    # calibration and follows the load. ``cost_refit_window``: the last N legs it fits;
+    # the first refit waits for ``cost_refit_min_samples``.
+    cost_refit: bool = False
+    cost_refit_window: int = Field(256, ge=3)
+    cost_refit_min_samples: int = Field(32, ge=3)
     # Indexer pod namespace: model name the indexer knows; None = request's model.
     indexer_model: str | None = None
     health_interval_s: float = Field(2.0, gt=0)
@@ -220,6 +227,12 @@ class RouterConfig(BaseModel):
                                              or "dp_read" not in self.cost_model.reads):
             raise ValueError("retention: adaptive needs a cost_model with a dp_read link "
                              "(kvtier calibrate --out FILE)")
+        if self.cost_refit and self.cost_model is None:
+            raise ValueError("cost_refit needs a cost_model to start from "
+                             "(kvtier calibrate --out FILE)")
+        if self.cost_refit_min_samples > self.cost_refit_window:
+            raise ValueError(f"cost_refit_min_samples ({self.cost_refit_min_samples}) cannot "
+                             f"exceed cost_refit_window ({self.cost_refit_window})")
         if self.workers > 1 and self.store == "memory":
             raise ValueError(
                 f"workers={self.workers} with the memory store: each worker would keep its own "

@@ -58,12 +58,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
 from kvtier.router.config import RouterConfig
+from kvtier.router.costs import RouterCost
 from kvtier.router.decode import DecodeLeg
 from kvtier.router.feed import ParamsFeed
 from kvtier.router.legs import EngineClientError, Legs, UpstreamError
@@ -123,6 +125,10 @@ class Router(DecodeLeg):
         self.feed = ParamsFeed({i.name: i.params_feed for i in config.decode_instances
                                 if i.params_feed}, self.metrics)
         self.retention = Retention(config, self.metrics)
+        self.cost = RouterCost(config.cost_model, self.metrics, refit=config.cost_refit,
+                               window=config.cost_refit_window,
+                               min_samples=config.cost_refit_min_samples,
+                               on_change=self.retention.set_cost)
         self._health_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------
@@ -344,7 +350,7 @@ class Router(DecodeLeg):
             offered = reuse is not None
             path, tokens, reuse, source = _plan(reuse, decision, source, matched, p_inst.name,
                                                 len(ids) if ids is not None else 0,
-                                                self.cfg.cost_model)
+                                                self.cost.model)
             if offered and path is not ReusePath.DP_READ:
                 info["refusal"] = Refusal.BELOW_THRESHOLD  # another path (or none) was cheaper
             kvp = KVTransferParams.prefill_request(reuse=reuse, source=source).to_wire()
@@ -352,8 +358,11 @@ class Router(DecodeLeg):
             if conv is not None and ids is None and inb.endpoint is not Endpoint.RESPONSES:
                 body["return_token_ids"] = True  # learn the prompt ids for the next turn
             try:
+                sent = time.monotonic()
                 pre = await self.legs.post_json(p_inst, "prefill", inb.endpoint.path, body,
                                                 headers, self.cfg.timeouts.prefill_s)
+                self.cost.prefill_leg(_prompt_tokens(ids, pre), path, tokens,
+                                      time.monotonic() - sent)
             except EngineClientError:
                 if not run.policy.retry_refusal_without_reuse or (reuse is None
                                                                   and source is None):
@@ -509,3 +518,12 @@ def _prompt_ids_of(endpoint: Endpoint, resp: dict[str, Any]) -> tuple[int, ...] 
     if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
         return tuple(ids)
     return None
+
+
+def _prompt_tokens(ids: tuple[int, ...] | None, resp: dict[str, Any]) -> int:
+    """The prompt's length: its ids when the router has them, else the engine's usage."""
+    if ids is not None:
+        return len(ids)
+    usage = resp.get("usage")
+    n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) else 0

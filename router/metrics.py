@@ -87,6 +87,12 @@ class RouterMetrics:
                                        registry=r)
         self.dependency_up = Gauge(p + "dependency_up", "1 while a dependency answers "
                                    "(indexer, store)", ["dependency"], registry=r)
+        # The cost model in use (router/costs.py): refits online, and what it predicts.
+        self.cost_refits = Counter(p + "cost_refits", "Online refits of the cost model that "
+                                   "changed it (cost_refit)", registry=r)
+        self.cost_model_seconds = Gauge(p + "cost_model_seconds", "The cost model in use, by "
+                                        "term: prefill_fixed, prefill_per_token, PATH_setup",
+                                        ["term"], registry=r)
         # Decode leases (router/retention.py): the router's side of retained device KV.
         self.lease_calls = Counter(p + "lease_calls", "Calls to decode nodes' lease servers "
                                    "by op (renew, release) and result (ok, refused, "

@@ -41,6 +41,7 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.store import RetainedKV
 
 from kvtier.cost.hold import HOST_HELD_FRACTION, HoldChoice, HoldPolicy
+from kvtier.cost.model import CostModel
 from kvtier.ids import PodId
 from kvtier.transfer_params import NixlParams
 from kvtier.wire.leases import PARAM_KEY, LeaseRequest, Op, ReleaseReason
@@ -77,6 +78,11 @@ class Retention:
         # (tenant, conversation) -> (monotonic end of its last turn, tokens it left)
         self._last: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
         self._bg: set[asyncio.Task[Any]] = set()
+
+    def set_cost(self, cost: CostModel) -> None:
+        """Decide holds with ``cost`` from now on (an online refit, ``router/costs.py``)."""
+        if self.policy is not None:
+            self.policy.cost = cost
 
     @property
     def enabled(self) -> bool:

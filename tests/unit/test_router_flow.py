@@ -198,6 +198,51 @@ def test_a_cost_model_file_is_read_once_and_bad_files_are_refused(tmp_path: Any)
                                      "cost_model": str(tmp_path / "missing.json")})
 
 
+def test_cost_refit_learns_from_the_prefill_legs_it_times() -> None:
+    # configured: a prefill costs 2 s; the fake engines answer in milliseconds
+    cost = {**_cost(p2p_setup_s=0.5), "prefill_a_s": 2.0}
+    for s in make(cost_model=cost, cost_refit=True, cost_refit_window=8,
+                  cost_refit_min_samples=3):
+        assert s.metric("kvtier_router_cost_model_seconds", term="prefill_fixed") == 2.0
+        for i in range(4):
+            assert s.complete([i + 1, *PROMPT], conv=f"c{i}").status_code == 200
+        assert s.metric("kvtier_router_cost_refits_total") >= 1
+        model = s.router.cost.model
+        assert model is not None and model.prefill_a_s < 0.5
+        assert s.metric("kvtier_router_cost_model_seconds", term="prefill_fixed") == \
+            model.prefill_a_s
+        assert s.router.cost.online is not None and s.router.cost.online.seen == 4
+    # without cost_refit the configured model stays
+    for s in make(cost_model=cost):
+        for i in range(4):
+            s.complete([i + 1, *PROMPT], conv=f"c{i}")
+        assert s.router.cost.model is not None and s.router.cost.model.prefill_a_s == 2.0
+        assert s.metric("kvtier_router_cost_refits_total") == 0
+
+
+def test_a_refit_reaches_the_adaptive_hold_policy() -> None:
+    cfg = RouterConfig.model_validate({
+        "instances": [{"name": "p", "url": P_URL, "role": "prefill"},
+                      {"name": "d", "url": D_URL, "role": "decode",
+                       "lease": "tcp://127.0.0.1:1"}],
+        "cost_model": _cost(0.0), "cost_refit": True, "retention": "adaptive"})
+    r = Router(cfg)
+    assert r.retention.policy is not None and r.retention.policy.cost == cfg.cost_model
+    for i in range(cfg.cost_refit_min_samples):
+        r.cost.prefill_leg(200 + 10 * i, ReusePath.NONE, 0, 0.05 + 0.001 * i)
+    assert r.cost.model is not cfg.cost_model
+    assert r.retention.policy.cost is r.cost.model
+
+
+def test_cost_refit_needs_a_cost_model() -> None:
+    with pytest.raises(ValueError, match="cost_refit needs a cost_model"):
+        RouterConfig.model_validate({"prefill": [P_URL], "decode": [D_URL], "cost_refit": True})
+    with pytest.raises(ValueError, match="cannot exceed"):
+        RouterConfig.model_validate({"prefill": [P_URL], "decode": [D_URL],
+                                     "cost_model": _cost(0.0), "cost_refit": True,
+                                     "cost_refit_window": 8, "cost_refit_min_samples": 9})
+
+
 @pytest.mark.parametrize("capture", ["buffered", "passthrough"])
 def test_streaming_answers_carry_the_headers(capture: str) -> None:
     for s in make(stream_capture=capture):
