@@ -144,7 +144,7 @@ class RouterConfig(BaseModel):
     # the first refit waits for ``cost_refit_min_samples``.
     cost_refit: bool = False
     cost_refit_window: int = Field(256, ge=3)
-    cost_refit_min_samples: int = Field(32, ge=3)
+    cost_refit_min_samples: int = Field(16, ge=3)
     # Indexer pod namespace: model name the indexer knows; None = request's model.
     indexer_model: str | None = None
     health_interval_s: float = Field(2.0, gt=0)

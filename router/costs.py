@@ -28,7 +28,7 @@ log = logging.getLogger("kvtier.router.costs")
 
 class RouterCost:
     def __init__(self, model: CostModel | None, metrics: RouterMetrics, *, refit: bool = False,
-                 window: int = 256, min_samples: int = 32,
+                 window: int = 256, min_samples: int = 16,
                  on_change: Callable[[CostModel], None] = lambda m: None) -> None:
         if refit and model is None:
             raise ValueError("cost_refit needs a cost_model to start from")

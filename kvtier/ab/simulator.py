@@ -105,6 +105,7 @@ from kvtier.ab.strategies import StrategySpec, builtin, router_ttl_margin_s
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
 from kvtier.cost.decide import Offer, decide
 from kvtier.cost.hold import HOST_HELD_FRACTION, HoldPolicy
+from kvtier.cost.online import OnlineCost
 from kvtier.cost.model import CostModel
 from kvtier.cost.retention import WaitSample, choose_device_ttl
 from kvtier.cost.reuse import align_down
@@ -273,10 +274,12 @@ class _Policy:
 
 class _Sim:
     def __init__(self, trace: Trace, policy: _Policy, fleet: FleetSpec, cost: CostModel,
-                 decide_cost: CostModel | None = None) -> None:
+                 decide_cost: CostModel | None = None, refit: bool = False) -> None:
         self.trace, self.p, self.fleet, self.cost = trace, policy, fleet, cost
         # what the deployed strategy decides with (paths, holds, TTLs); `cost` times the work
         self.decide_cost = decide_cost or cost
+        # cost_refit: the router refits what it decides with from the TTFTs it sees
+        self.online = OnlineCost(self.decide_cost) if refit and policy.adaptive else None
         self.bs = fleet.block_size
         self.prefills = [_Prefill() for _ in range(fleet.prefill)]
         self.decodes = [DecodeInstance(fleet.device_blocks_per_decode,
@@ -541,6 +544,11 @@ class _Sim:
             transfer_s=pend["transfer"], t_start=pend["arrival"], outcome=pend["outcome"],
             response_tokens=spec.response_tokens, decode_wait_s=wait)
         self.records.append(rec)
+        if self.online is not None and self.online.observe(
+                rec.computed_tokens, rec.reused_tokens, rec.reuse_path, ttft):
+            self.decide_cost = self.online.model
+            if self.hold is not None:
+                self.hold.cost = self.decide_cost
         if self.hold is not None:
             self.record_of[(conv, turn)] = rec
         self.push(pend["arrival"] + e2e, _FINISH, (conv, turn, blocks))
@@ -607,7 +615,9 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
     keeps the spec's TTL fixed, as a live vLLM stack does (for comparing with a live run).
     ``cost`` times the work. An adaptive strategy decides (path per turn, device holds) with
     the spec's own ``cost_model`` when it has one -- the model its router was deployed
-    with, which a run's in-sample fit need not equal -- else with ``cost``.
+    with, which a run's in-sample fit need not equal -- else with ``cost``. With the spec's
+    ``cost_refit`` that model is refitted as the router would (``kvtier.cost.online``), from
+    each turn's simulated TTFT (arrival to the prefill's answer, queueing included).
     """
     spec = builtin(strategy) if isinstance(strategy, str) else strategy
     if spec.host_bytes is not None:
@@ -620,7 +630,7 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
         raise ValueError(f"strategy {spec.name} reads over {missing}; the cost model has {sorted(cost.reads)}")
     if cost.block_size != fleet.block_size:
         raise ValueError(f"cost model block_size {cost.block_size} != fleet block_size {fleet.block_size}")
-    return _Sim(trace, policy, fleet, cost, spec.cost_model).run()
+    return _Sim(trace, policy, fleet, cost, spec.cost_model, spec.cost_refit).run()
 
 
 def simulate_all(trace: Trace, strategies: Sequence[StrategySpec | str], fleet: FleetSpec,

@@ -120,8 +120,10 @@ class StrategySpec(BaseModel):
     # then only the upper bound.
     leases: bool = False
     decode_lease_s: float = Field(DEFAULT_DECODE_LEASE_S, gt=0)
-    # The cost model the router decides with (adaptive + leases; set by with_cost_model).
+    # The cost model the router decides with (adaptive + leases; set by with_cost_model), and
+    # whether the router refits it online from the prefill legs it times (cost_refit).
     cost_model: CostModel | None = None
+    cost_refit: bool = False
     # adaptive: holding a turn's blocks this long costs as much as recomputing them
     # (kvtier.cost.retention); sets how long the device TTL may grow.
     retention_horizon_s: float = Field(60.0, gt=0)
@@ -164,6 +166,12 @@ class StrategySpec(BaseModel):
                 "decode_lease_s": max(MIN_DECODE_LEASE_S, self.decode_lease_s * time_scale),
                 "retention_horizon_s": self.retention_horizon_s * time_scale})
         return out
+
+    def with_cost_refit(self, on: bool = True) -> "StrategySpec":
+        """The router refits its cost model online (adaptive strategies with leases only)."""
+        if on and not (self.adaptive and self.leases):
+            return self
+        return self.model_copy(update={"cost_refit": bool(on)})
 
     def with_thresholds(self, kv_recompute_threshold: int,
                         min_cached_token_delta: int) -> "StrategySpec":
@@ -281,6 +289,7 @@ class StrategySpec(BaseModel):
                 out["retention"] = "adaptive"
                 out["hold_horizon_s"] = self.retention_horizon_s
                 out["cost_model"] = self.cost_model.model_dump()  # type: ignore[union-attr]
+                out["cost_refit"] = self.cost_refit
         return out
 
 

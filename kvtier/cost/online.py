@@ -41,8 +41,8 @@ PRIOR_CONTEXT_TOKENS = 4096  # the largest recompute the prior's pseudo-samples 
 
 
 class OnlineCost:
-    def __init__(self, prior: CostModel, *, window: int = 256, min_samples: int = 32,
-                 refit_every: int = 16, min_path_samples: int = 8,
+    def __init__(self, prior: CostModel, *, window: int = 256, min_samples: int = 16,
+                 refit_every: int = 8, min_path_samples: int = 8,
                  prior_samples: int = 8) -> None:
         if window < 3 or min_samples < 3 or refit_every < 1 or min_path_samples < 1:
             raise ValueError("window and min_samples must be >= 3, refit_every and "

@@ -508,3 +508,22 @@ def test_an_adaptive_strategy_decides_with_its_deployed_cost_model():
     assert as_world.device_block_seconds() > 0  # 3 s waits: holding pays in the world's model
     assert as_deployed.device_block_seconds() == 0  # the deployed router released every turn
     assert {t.reuse_path for t in as_deployed.follow_ups} == {ReusePath.P2P}
+
+
+def test_cost_refit_replays_the_router_learning_that_device_reads_do_not_pay():
+    """Deployed with a model in which a D->P read is cheap (holding pays for 3 s waits), in a
+    world where it costs 1 s of setup (more than recomputing any prompt of the trace):
+    replayed with cost_refit, the router times its D->P turns, learns the read's cost once it
+    has ``min_path_samples`` of them, and stops holding; without it, it holds and reads on."""
+    tr = _trace(wait=3.0, n_conv=4, turns=10)
+    world = _cost(reads={"dp_read": LinkModel(setup_s=1.0, bytes_per_s=4e9),
+                         "p2p": LinkModel(setup_s=0.02, bytes_per_s=1e9)})
+    spec = builtin("tiered-adaptive").without_host_copy().with_cost_model(_cost())
+    fixed = simulate(tr, spec, FLEET, world)
+    refit = simulate(tr, spec.with_cost_refit(), FLEET, world)
+    dp = [sum(1 for t in r.follow_ups if t.reuse_path == ReusePath.DP_READ) for r in (fixed, refit)]
+    assert dp[0] == len(fixed.follow_ups)  # held and read every follow-up
+    assert 8 <= dp[1] < dp[0] // 2         # read until it had learnt, then recomputed
+    assert refit.device_block_seconds() < fixed.device_block_seconds() / 2
+    last = [t.reuse_path for t in refit.follow_ups if t.turn == 9]
+    assert ReusePath.DP_READ not in last

@@ -179,3 +179,14 @@ def test_the_routers_ttl_margin_leaves_room_for_vllms_read_margin() -> None:
     assert router_ttl_margin_s(2.0) == 1.0  # a time-scaled run: half of it
     for ttl in (0.5, 3.0, 30.0, 120.0, 480.0, 900.0):
         assert 0 < router_ttl_margin_s(ttl) < ttl
+
+
+def test_cost_refit_goes_to_the_router_of_adaptive_lease_strategies_only():
+    cm = _cm()
+    a = builtin("tiered-adaptive").with_cost_refit().with_cost_model(cm)
+    assert a.cost_refit and a.router_settings()["cost_refit"] is True
+    cfg = RouterConfig.model_validate({"decode": ["http://127.0.0.1:1"], **a.router_settings()})
+    assert cfg.cost_refit and cfg.cost_model == cm
+    assert builtin("tiered-adaptive").with_cost_model(cm).router_settings()["cost_refit"] is False
+    for name in ("host-p2p", "device-ttl", "recompute"):
+        assert not builtin(name).with_cost_refit().cost_refit

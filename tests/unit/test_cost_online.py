@@ -38,7 +38,7 @@ def measured(truth: CostModel, n: int, paths: tuple[str, ...] = ("none", "dp_rea
 
 
 def test_the_prior_is_used_until_enough_prefills_were_timed():
-    oc = OnlineCost(IDLE, min_samples=32)
+    oc = OnlineCost(IDLE, min_samples=32, refit_every=16)
     for s in measured(LOADED, 31):
         assert oc.observe(*s) is False
     assert oc.model is IDLE and oc.refits == 0

@@ -112,6 +112,8 @@ def run_ab(args: argparse.Namespace) -> int:
         regime.host_bytes(trace, kvbpt)
     specs = [s.topology(args.prefill, args.decode).with_host_bytes(host_bytes)
              for s in parse_list(args.strategies, args.decode_ttl)]
+    if getattr(args, "cost_refit", False):
+        specs = [s.with_cost_refit() for s in specs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if regime != RegimeSettings():

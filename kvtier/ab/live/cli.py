@@ -93,6 +93,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--cost", help="CostModel JSON (from kvtier calibrate --out)")
+    p.add_argument("--cost-refit", action="store_true",
+                   help="adaptive strategies with decode leases (tiered-adaptive): the router "
+                        "refits --cost online from the prefill legs it times (cost_refit)")
     p.add_argument("--simulate", action="store_true",
                    help="run the discrete-event simulator instead of the live stack")
     p.add_argument("--slo-ttft-p90", type=_positive_float, default=None, metavar="SECONDS",
