@@ -386,8 +386,12 @@ def _wait(cond, within_s: float) -> bool:
 
 
 def test_client_disconnect_cancels_upstream(http, stack, router):
-    d = stack.decode[0].url
-    running = lambda: metric(http, d, "vllm:num_requests_running")  # noqa: E731
+    # Requests running on any instance: the router may serve a turn in direct mode on one
+    # instance (the test before this one kills and resets engines; the pool may still have
+    # one ejected), and the upstream must be cancelled wherever it runs. (CI waited 30 s for
+    # the decode node to say running while the tokens came from elsewhere.)
+    urls = [i.url for i in stack.instances]
+    running = lambda: sum(metric(http, u, "vllm:num_requests_running") for u in urls)  # noqa: E731
     # ~4,000 tokens take many seconds here; a cancelled request is gone in well under 4 s.
     body = {"model": MODEL, "prompt": ids(41, 40), "max_tokens": 4000, "ignore_eos": True,
             "temperature": 0}
