@@ -307,7 +307,8 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
         for name, a in meta["adaptive"].items():
             if a.get("leases"):
                 device = (f"decode leases ({a.get('decode_lease_s')} s), retention "
-                          f"{a.get('retention')}, host copy {a.get('host_copy')}; vLLM TTL "
+                          f"{a.get('retention')}, host copy {a.get('host_copy')}, cost refit "
+                          f"{'on' if a.get('cost_refit') else 'off'}; vLLM TTL "
                           f"{a.get('decode_ttl_s')} s (trace seconds) as the upper bound")
             elif a.get("device_retention", True):
                 device = f"decode TTL {a.get('decode_ttl_s')} s (trace seconds)"
@@ -317,6 +318,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
                          f"min_cached_token_delta={a.get('min_cached_token_delta')}, "
                          f"{device}. {a.get('ttl_choice', '')}")
         lines.append("")
+    lines += _refit_section(results)
     lines += _repeats_section(results)
     lines += ["## Median TTFT (ms) by context length", "", _bucket_table(results), ""]
     lines += ["## Reuse by path (tokens)", "",
@@ -503,3 +505,28 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
     if plots:
         plot_all(results, out)
     return md
+
+
+def _refit_section(results: Sequence[RunResult]) -> list[str]:
+    """The routers' online cost refits (``cost_refit``): per repeat, how often the model was
+    refitted and where its terms ended against the deployed calibration."""
+    rows = []
+    for r in results:
+        runs = r.meta.get("router_cost")
+        if isinstance(runs, dict):
+            runs = [runs]
+        for i, rc in enumerate(runs or []):
+            if not rc:
+                continue
+            dep, fin = rc.get("deployed_s") or {}, rc.get("final_s") or {}
+            terms = ", ".join(f"{t} {dep[t] * 1e3:.3g} → {fin.get(t, float('nan')) * 1e3:.3g} ms"
+                              if not t.endswith("per_token") else
+                              f"{t} {dep[t] * 1e6:.3g} → {fin.get(t, float('nan')) * 1e6:.3g} us"
+                              for t in dep)
+            rows.append(f"| {r.strategy} | {i + 1} | {rc.get('refits', 0):.0f} | {terms} |")
+    if not rows:
+        return []
+    return ["## The routers' online cost refits (cost_refit)", "",
+            "Deployed calibration → the model in use when the run ended "
+            "(`kvtier_router_cost_model_seconds`).", "",
+            "| strategy | repeat | refits | terms |", "|---|---|---|---|", *rows, ""]

@@ -181,3 +181,20 @@ def test_report_shows_the_online_holds_and_the_nodes_block_seconds(tmp_path):
     assert "- Latest release (`long` turn 1): -> no device retention" in text
     assert "`device-ttl`: device holds" not in text  # no leases, no section
     assert "## Plots" not in text  # none written
+
+
+def test_the_report_shows_each_repeats_cost_refit():
+    from kvtier.ab.records import merge_repeats
+    from kvtier.ab.report import _refit_section
+
+    def run(refits: int, fixed: float) -> RunResult:
+        rc = {"refits": refits, "deployed_s": {"prefill_fixed": 0.025, "dp_read_setup": 0.01},
+              "final_s": {"prefill_fixed": fixed, "dp_read_setup": 0.07}}
+        return RunResult("tiered-adaptive", [], [], {"router_cost": rc, "t_end": 1.0})
+
+    merged = merge_repeats([run(2, 0.08), run(3, 0.09)])
+    assert [rc["refits"] for rc in merged.meta["router_cost"]] == [2, 3]
+    text = "\n".join(_refit_section([merged]))
+    assert "| tiered-adaptive | 1 | 2 | prefill_fixed 25 → 80 ms, dp_read_setup 10 → 70 ms |" in text
+    assert "| tiered-adaptive | 2 | 3 |" in text
+    assert _refit_section([RunResult("recompute", [], [], {})]) == []

@@ -201,3 +201,28 @@ def test_router_gets_the_decode_nodes_lease_endpoints_and_the_adaptive_policy() 
     # strategies without leases: no endpoint, the node keeps vLLM's TTL
     plain = router_instances(_fake_stack(builtin("tiered").kv_transfer_config()))
     assert all("lease" not in i for i in plain)
+
+
+def test_router_cost_reports_the_refits_and_the_model_in_use():
+    import httpx
+    from kvtier.router.costs import RouterCost
+    from kvtier.router.metrics import RouterMetrics
+    from prometheus_client import generate_latest
+
+    from kvtier.ab.live.runner import router_cost
+    from kvtier.cost.model import CostModel, LinkModel
+    from kvtier.ids import ReusePath
+
+    deployed = CostModel(kv_bytes_per_token=2048, prefill_a_s=0.5, prefill_b_s_per_token=1e-4,
+                         reads={"dp_read": LinkModel(setup_s=0.01, bytes_per_s=4e9)})
+    m = RouterMetrics()
+    rc = RouterCost(deployed, m, refit=True, min_samples=4)
+    for i in range(4):
+        rc.prefill_leg(100 + 50 * i, ReusePath.NONE, 0, 0.02 + 0.001 * i)
+    page = generate_latest(m.registry)
+    http = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200, content=page)))
+    got = router_cost(http, "http://router", deployed.model_dump())
+    assert got["refits"] == 1
+    assert got["deployed_s"] == {"prefill_fixed": 0.5, "prefill_per_token": 1e-4,
+                                 "dp_read_setup": 0.01}
+    assert rc.model is not None and got["final_s"]["prefill_fixed"] == rc.model.prefill_a_s < 0.5

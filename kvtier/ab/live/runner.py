@@ -82,7 +82,7 @@ from kvtier.ab.live.probes import (
     lease_endpoint,
     lease_metrics_urls,
 )
-from kvtier.ab.live.scrape import scrape
+from kvtier.ab.live.scrape import metric, scrape
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import ConversationSpec, Trace, token_ids
@@ -521,6 +521,8 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                                                         "decode_lease_s", "decode_kv_ttl_s")
                                     if k in rs}
         meta["router_retention"].setdefault("retention", "renew")
+        if rs.get("cost_refit"):
+            meta["router_cost"] = router_cost(http, url, rs["cost_model"])
     counted_s = own.finish(http)
     if math.isfinite(counted_s):
         meta.update(device_block_s_counted=counted_s,
@@ -528,6 +530,21 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
     elif own.urls:
         meta["device_blocks_source"] = "ledger (decode metrics not readable)"
     return RunResult(spec.name, records, memory, meta)
+
+
+def router_cost(http: httpx.Client, router_url: str, deployed: dict[str, Any]) -> dict[str, Any]:
+    """What the router's online cost refit did (``cost_refit``): refits, and the model in use
+    at the end against the one deployed (seconds, from ``kvtier_router_cost_model_seconds``)."""
+    text = http.get(f"{router_url}/metrics", timeout=5).text
+    terms = {"prefill_fixed": "prefill_a_s", "prefill_per_token": "prefill_b_s_per_token"}
+    final = {t: metric(text, "kvtier_router_cost_model_seconds", {"term": t}) for t in terms}
+    start = {t: float(deployed.get(k, 0.0)) for t, k in terms.items()}
+    for path, link in (deployed.get("reads") or {}).items():
+        t = f"{path}_setup"
+        final[t] = metric(text, "kvtier_router_cost_model_seconds", {"term": t})
+        start[t] = float(link["setup_s"])
+    return {"refits": metric(text, "kvtier_router_cost_refits_total"),
+            "deployed_s": start, "final_s": final}
 
 
 def _complete(c: httpx.Client, model: str, cid: str, rid: str, prompt: list[int],

@@ -60,6 +60,7 @@ def configure_adaptive(s: StrategySpec, cost: CostModel | None, done: Sequence[R
         # the router chooses each turn's hold online; the TTL is only its upper bound
         info.update(leases=True, retention="adaptive" if s.adaptive_retention else "renew",
                     host_copy=s.host_copy, decode_lease_s=s.decode_lease_s,
+                    cost_refit=s.cost_refit,
                     ttl_choice="device hold chosen online by the router per conversation and "
                                "turn (decode leases; vLLM's TTL is the upper bound)")
     if choice is not None:
