@@ -37,6 +37,7 @@ class RouterCost:
         self.online = (OnlineCost(model, window=window, min_samples=min_samples)
                        if refit and model is not None else None)
         self._model = model
+        self._warned: str | None = None
         if model is not None:
             self._expose(model)
 
@@ -52,9 +53,10 @@ class RouterCost:
             return
         reused = reused_tokens if path is not ReusePath.NONE else 0
         if not self.online.observe(prompt_tokens - reused, reused, path.value, seconds):
-            if self.online.last_error is not None:
-                log.warning("cost refit failed; keeping the model in use: %s",
-                            self.online.last_error)
+            err = self.online.last_error
+            if err is not None and err != self._warned:  # once per failure, not per leg
+                log.warning("cost refit failed; keeping the model in use: %s", err)
+            self._warned = err
             return
         m = self._model = self.online.model
         self.metrics.cost_refits.inc()

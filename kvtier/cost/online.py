@@ -59,6 +59,7 @@ class OnlineCost:
         self.samples: deque[ServiceSample] = deque(maxlen=window)
         self.seen = 0          # samples observed in all
         self.refits = 0        # refits that changed the model in use
+        self.attempts = 0      # refits tried (every refit_every samples, failed ones too)
         self.last_error: str | None = None
         self._since_refit = 0
         self._largest = 0
@@ -75,9 +76,10 @@ class OnlineCost:
         self.seen += 1
         self._since_refit += 1
         if len(self.samples) < self.min_samples or (
-                self.refits and self._since_refit < self.refit_every):
+                self.attempts and self._since_refit < self.refit_every):
             return False
         self._since_refit = 0
+        self.attempts += 1
         return self.refit()
 
     def refit(self) -> bool:

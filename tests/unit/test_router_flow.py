@@ -338,3 +338,25 @@ def test_direct_mode_failing_everywhere_is_a_502() -> None:
         assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
         assert s.metric("kvtier_router_upstream_errors_total", leg="direct",
                         kind="connect") == 1
+
+
+def test_a_failed_refit_is_logged_once_not_per_leg(monkeypatch, caplog) -> None:
+    from kvtier.router.costs import RouterCost
+    from kvtier.router.metrics import RouterMetrics
+
+    from kvtier.cost import online
+    from kvtier.cost.model import CostModel
+
+    def boom(*a: Any, **k: Any) -> Any:
+        raise ValueError("singular")
+    monkeypatch.setattr(online, "fit_turns", boom)
+    rc = RouterCost(CostModel.model_validate(_cost(0.0)), RouterMetrics(), refit=True,
+                    min_samples=3)
+    with caplog.at_level("WARNING", logger="kvtier.router.costs"):
+        for i in range(10):
+            rc.prefill_leg(100 + i, ReusePath.NONE, 0, 0.05)
+    # tried at the 3rd leg, next at the 11th: one failure, one warning
+    assert [r.getMessage() for r in caplog.records] == [
+        "cost refit failed; keeping the model in use: refit over 3 samples failed: singular"]
+    assert rc.online is not None and rc.online.attempts == 1
+    assert rc.model is not None and rc.model.prefill_b_s_per_token == 1e-3
