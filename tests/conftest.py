@@ -21,6 +21,12 @@ from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
 
 MAX_INSTANCES = 3
+# KV capacity of every pooled stack's instances unless its spec sets one: 4,096 blocks (131,072
+# tokens at block size 32, 256 MiB of the tiny model's KV) hold every module's conversations
+# many times over, and a NIXL engine registers that much ~8 s sooner than vLLM-CPU's smallest
+# VLLM_CPU_KVCACHE_SPACE (1 GiB; a 1P1D start measured 38 s with 2,048 blocks, 48 s with
+# 1 GiB). A regime's per-role override still wins.
+E2E_NUM_BLOCKS = 4096
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +46,8 @@ class StackPool:
     def get(self, spec: StackSpec) -> LocalStack:
         if spec.prefill + spec.decode > MAX_INSTANCES:
             raise ValueError(f"e2e stacks are capped at {MAX_INSTANCES} instances on this machine")
+        if spec.num_blocks is None:
+            spec = spec.model_copy(update={"num_blocks": E2E_NUM_BLOCKS})
         cur = self.current
         if cur is not None and cur.spec == spec and all(i.alive() for i in cur.instances):
             return cur
@@ -114,10 +122,12 @@ E2E_MODULE_ORDER = (
     "test_foundation_pd",         # 1P1D nixl-bidirectional
     "test_indexer_e2e",           # 1P1D nixl-bidirectional
     "test_router_responses",      # 1P1D nixl-bidirectional
+    "test_router_store",          # 1P1D nixl-bidirectional
     "test_router_pd",             # 1P1D nixl-bidirectional (kills instances last)
     "test_router_prefill_kill",   # 1P1D nixl-bidirectional, restarted (kills both)
     "test_foundation_negative",   # 1P1D nixl-unidirectional
     "test_connector_tier",        # 2 instances kvtier-peer
+    "test_peer_faults",           # 2 instances kvtier-peer
     "test_multi_connector",       # 1P1D multi-nixl-kvtier
     "test_decode_leases",         # 1P1D nixl-bidirectional-lease
     "test_router_leases",         # 1P1D nixl-bidirectional-lease

@@ -134,6 +134,10 @@ def test_report_from_real_runs(tmp_path):
     assert "e2e-short" in md.read_text()
 
 
+HOLD_HORIZON_S = 15.0
+LONG_WAIT_S = 16.25  # > the horizon: not worth holding for
+
+
 def test_tiered_adaptive_holds_per_conversation_through_decode_leases(stack_pool, tiny_model,
                                                                        tmp_path):
     """tiered-adaptive live, deciding online: its router holds each retained turn on the decode
@@ -145,15 +149,17 @@ def test_tiered_adaptive_holds_per_conversation_through_decode_leases(stack_pool
     over NIXL here), so *with* a host copy the policy releases every turn once it has seen a
     wait (a device copy buys 0 ms over the host copy). Without a host copy the alternative to
     holding is recomputing, and the choice depends on the wait: holding for ``w`` seconds
-    costs ``recompute x w / 60 s`` (the policy's horizon), so a conversation whose tool took
-    65 s is not worth holding for, one whose tool answers in 2 s is.
+    costs ``recompute x w / H`` (the policy's horizon, 60 s by default; 15 s here, to keep the
+    test short), so a conversation whose tool took 16.25 s (> H) is not worth holding for, one
+    whose tool answers in 2 s is. (Scaled from 65 s against the default 60 s: the policy
+    makes the same choices, since the price depends on w / H.)
 
-    Trace: "long" (2 turns, 65 s apart) runs first; "short" (5 turns, 2 s apart) starts after
-    it. long's first turn is held by default (no wait seen yet) and read D->P 65 s later; its
-    second is released at once (the only wait seen, 65 s, prices holding above recomputing).
-    short's first turn is released too (fleet: only that 65 s wait), its next ones held
-    ~2.5 s (fleet, then from its third turn on its own waits), and read D->P. The device
-    block-seconds are the decode node's own count (``kvtier_decode_*``)."""
+    Trace: "long" (2 turns, 16.25 s apart) runs first; "short" (5 turns, 2 s apart) starts
+    after it. long's first turn is held by default (no wait seen yet) and read D->P 16 s later;
+    its second is released at once (the only wait seen, 16.25 s, prices holding above
+    recomputing). short's first turn is released too (fleet: only that long wait), its next
+    ones held ~2.5 s (fleet, then from its third turn on its own waits), and read D->P. The
+    device block-seconds are the decode node's own count (``kvtier_decode_*``)."""
     import os
     from pathlib import Path
 
@@ -161,13 +167,16 @@ def test_tiered_adaptive_holds_per_conversation_through_decode_leases(stack_pool
     from kvtier.cost.model import CostModel
 
     cost = CostModel.model_validate_json(resolve_config_path("cost-tiny.json").read_text())
-    spec = builtin("tiered-adaptive").without_host_copy().with_cost_model(cost)
+    spec = builtin("tiered-adaptive").without_host_copy().with_cost_model(cost).model_copy(
+        update={"retention_horizon_s": HOLD_HORIZON_S})
     assert spec.router_settings()["retention"] == "adaptive"
+    assert spec.router_settings()["hold_horizon_s"] == HOLD_HORIZON_S
     assert spec.router_settings()["host_copy"] is False
     stack = stack_pool.get(stack_spec_for(spec, tiny_model))
     trace = Trace("e2e-hold-per-conversation", 4096, [
-        ConversationSpec("long", 0.0, 301, [TurnSpec(300, 16, 0.0), TurnSpec(64, 16, 65.0)]),
-        ConversationSpec("short", 68.0, 302, [TurnSpec(300, 16, 0.0)]
+        ConversationSpec("long", 0.0, 301, [TurnSpec(300, 16, 0.0),
+                                            TurnSpec(64, 16, LONG_WAIT_S)]),
+        ConversationSpec("short", LONG_WAIT_S + 3.75, 302, [TurnSpec(300, 16, 0.0)]
                          + [TurnSpec(64, 16, 2.0)] * 4)])
     opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
                       turn_timeout_s=E2E_TURN_TIMEOUT_S,
@@ -180,7 +189,7 @@ def test_tiered_adaptive_holds_per_conversation_through_decode_leases(stack_pool
     print("reuse:", [(k, t.reuse_path, t.reused_tokens) for k, t in sorted(by.items())])
     # every turn was retained under a lease and has the router's choice
     assert all(t.hold_s is not None for t in res.turns), [(k, t.hold_s) for k, t in by.items()]
-    # long: held by default, read after 65 s, then released at once
+    # long: held by default, read after 16 s, then released at once
     assert by["long", 0].hold_basis == "default" and by["long", 0].hold_s > 0
     t = by["long", 1]
     assert t.reuse_path == "dp_read" and t.reused_tokens >= 256, \

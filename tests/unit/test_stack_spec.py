@@ -24,6 +24,20 @@ def test_base_port_is_consecutive():
     assert inst[0].http_port == 9000 and inst[1].http_port == 9000 + PORTS_PER_INSTANCE
 
 
+def test_num_blocks_sets_the_kv_capacity_and_a_later_override_wins():
+    plain = StackSpec(model="/m").instances()[0].argv()
+    assert "--num-gpu-blocks-override" not in plain
+    argv = StackSpec(model="/m", num_blocks=2048).instances()[0].argv()
+    assert argv[argv.index("--num-gpu-blocks-override") + 1] == "2048"
+    # argparse keeps the last: an extra argument (a regime's per-role capacity) wins
+    argv = StackSpec(model="/m", num_blocks=2048,
+                     extra_args=("--num-gpu-blocks-override", "160")).instances()[0].argv()
+    assert argv[-2:] == ["--num-gpu-blocks-override", "160"]
+    assert argv.index("--num-gpu-blocks-override") < len(argv) - 2
+    with pytest.raises(ValueError):
+        StackSpec(model="/m", num_blocks=0)
+
+
 def test_argv_and_env_carry_events_nixl_and_transfer_config(monkeypatch):
     monkeypatch.setenv("KVTIER_DEVICE", "cpu")
     cfg = load_config_file("nixl-bidirectional")
