@@ -12,7 +12,8 @@ hands each message to the leg waiting for its tag:
     feed.forget(pod, tag)        # always (finally)
 
 Bounded: at most ``max_pending`` legs wait at once (``expect`` says False beyond that); a
-message nobody expects is dropped; a malformed one is counted and dropped.
+message nobody expects is counted (``unmatched``) and dropped; a malformed one is counted
+and dropped.
 
 Threading model: one asyncio event loop (the app's); one reader task per subscribed pod.
 """
@@ -92,6 +93,8 @@ class ParamsFeed:
         tag = msg.tag
         fut = self._pending.get((pod, tag)) if tag is not None else None
         if fut is None or fut.done():
+            # a leg that was not streamed, one that gave up waiting, or another router's
+            self.metrics.params_feed.labels("unmatched").inc()
             return
         fut.set_result(msg)
 

@@ -50,6 +50,7 @@ class RouterMetrics:
                                           registry=r)
         self.params_feed = Counter(p + "params_feed", "Decode params feed: messages received "
                                    "for a streamed leg, waits timed out, malformed messages, "
+                                   "messages no leg of this router waited for (unmatched), "
                                    "legs not registered (overflow)", ["result"], registry=r)
         self.params_in_stream = Counter(p + "params_in_stream", "Engine kv_transfer_params "
                                         "found in a relayed stream (stripped)", registry=r)

@@ -119,10 +119,10 @@ def test_reuse_headers_and_counter_over_http() -> None:
 def test_streamed_turn_keeps_reuse_through_a_real_params_feed() -> None:
     """The decode node's feed over real ZMQ: KVTierNixlConnector's publisher, the router's
     subscriber. A streamed turn is relayed event by event and the next turn reads D's KV."""
-    import time
-
     pytest.importorskip("vllm")
     from kvtier.connectors.params_feed import ParamsPublisher
+    from kvtier.indexer.service import wait_until
+    from kvtier.wire.params_feed import FinishedParams
 
     port = free_ports(1)[0]
     pub = ParamsPublisher(f"tcp://127.0.0.1:{port}")
@@ -136,7 +136,13 @@ def test_streamed_turn_keeps_reuse_through_a_real_params_feed() -> None:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "stream": True}
     try:
         with RouterServer(cfg, transport=fake, health_checks=False) as srv:
-            time.sleep(0.3)  # the SUB connects (PUB drops what no one hears)
+            # A PUB drops what it sends before the router's subscription reaches it (slower on
+            # a busy machine): publish a message no leg waits for until the router counts one.
+            def heard() -> bool:
+                pub.publish(FinishedParams("cmpl-probe", {}, ()))
+                return 'params_feed_total{result="unmatched"}' in httpx.get(
+                    srv.url + "/metrics").text
+            assert wait_until(heard, timeout=15)
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
                 events = [e for e in b"".join(r.iter_bytes()).split(b"\n\n") if e]
             assert len(events) == 4 and events[-1] == b"data: [DONE]"

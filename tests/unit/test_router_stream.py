@@ -89,6 +89,16 @@ def test_the_decode_leg_request_id_carries_a_tag_the_engine_id_keeps() -> None:
     assert tag_of("chatcmpl-plain-9f8e7d6c") is None
 
 
+def test_params_no_leg_waits_for_are_counted_and_dropped() -> None:
+    for s in make():
+        s.router.feed.deliver(PodId("decode-0"), FinishedParams(f"cmpl-{new_tag()}-0-1a2b3c4d",
+                                                                {}, (1, 2)))
+        s.router.feed.deliver(PodId("decode-0"), FinishedParams("cmpl-untagged", {}, ()))
+        assert s.metric("kvtier_router_params_feed_total", result="unmatched") == 2
+        assert s.metric("kvtier_router_params_feed_total", result="received") == 0
+        assert not s.router.feed._pending
+
+
 def test_params_that_never_arrive_cost_a_bounded_wait_and_no_reuse() -> None:
     for s in make(deliver=False, params_wait_s=0.05):
         r = s.complete(PROMPT, stream=True)
