@@ -385,27 +385,50 @@ def _wait(cond, within_s: float) -> bool:
     return cond()
 
 
+MAX_TOKENS = 4000
+
+
+def _generated(http, urls) -> float:
+    """Tokens generated so far by every instance (``vllm:generation_tokens_total``)."""
+    return sum(metric(http, u, "vllm:generation_tokens_total") for u in urls)
+
+
+def _generation_stops(http, urls, within_s: float = 15.0) -> float:
+    """Tokens generated once generation has stopped on every instance (the counter unchanged
+    over 1 s), or -1 if it goes on for ``within_s``."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    last = _generated(http, urls)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = _generated(http, urls)
+        if now == last:
+            return now
+        last = now
+    return -1.0
+
+
 def test_client_disconnect_cancels_upstream(http, stack, router):
-    # Requests running on any instance: the router may serve a turn in direct mode on one
-    # instance (the test before this one kills and resets engines; the pool may still have
-    # one ejected), and the upstream must be cancelled wherever it runs. (CI waited 30 s for
-    # the decode node to say running while the tokens came from elsewhere.)
+    # Counted from vLLM's generation-token counter on every instance: the router may serve a
+    # turn in direct mode on one instance (the test before this one kills and resets engines),
+    # and the upstream must be cancelled wherever it runs. A counter, not the running gauge:
+    # CI twice never saw the gauge say running while the tokens flowed (a /metrics poll took
+    # ~3 s on the busy 2 cores), and a request that ran to its end would look the same.
+    # ~4,000 tokens take ~20 s here; a cancelled request stops within a second.
     urls = [i.url for i in stack.instances]
-    running = lambda: sum(metric(http, u, "vllm:num_requests_running") for u in urls)  # noqa: E731
-    # ~4,000 tokens take many seconds here; a cancelled request is gone in well under 4 s.
-    body = {"model": MODEL, "prompt": ids(41, 40), "max_tokens": 4000, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": ids(41, 40), "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "temperature": 0}
-    assert _wait(lambda: running() == 0, 30)
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", router.url + "/v1/completions", json={**body, "stream": True}) as r:
-            chunks = r.iter_bytes()
-            for _ in range(5):  # decode's tokens are flowing
-                next(chunks)
-            # vLLM's API server records the step's gauges after it hands out the tokens, so
-            # the first chunks can arrive before the gauge says running; on loaded CI cores
-            # that took over 5 s once. A guard, not a timing: 4,000 tokens run far longer.
-            assert _wait(lambda: running() == 1, 30)
-    assert _wait(lambda: running() == 0, 4), "streamed request kept running after disconnect"
+    g0 = _generation_stops(http, urls)
+    assert g0 >= 0, "an earlier test's request is still generating"
+    with httpx.Client(timeout=60) as c, \
+            c.stream("POST", router.url + "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = r.iter_bytes()
+        for _ in range(5):  # decode's tokens are flowing
+            next(chunks)
+    g1 = _generation_stops(http, urls)
+    assert g1 >= 0, "streamed request still generating 15 s after the client closed it"
+    assert 0 < g1 - g0 < MAX_TOKENS, f"streamed request not cancelled: {g1 - g0:.0f} tokens"
     gone0 = router_metric(http, router, "kvtier_router_client_disconnects_total")
     try:
         r = httpx.post(router.url + "/v1/completions", json={**body, "conversation_id": "gone"},
@@ -415,7 +438,9 @@ def test_client_disconnect_cancels_upstream(http, stack, router):
     else:  # once in CI: say what came back instead of only "DID NOT RAISE"
         pytest.fail(f"the router answered within the 1.5 s read timeout: {r.status_code} "
                     f"{r.headers.get('x-kvtier-reuse')} {r.text[:300]}")
-    assert _wait(lambda: running() == 0, 4), "request kept running after client left"
+    g2 = _generation_stops(http, urls)
+    assert g2 >= 0, "request still generating 15 s after the client left"
+    assert g2 - g1 < MAX_TOKENS, f"request not cancelled after the client left: {g2 - g1:.0f}"
     assert _wait(lambda: router_metric(http, router, "kvtier_router_client_disconnects_total")
                  > gone0, 4)
 

@@ -122,6 +122,7 @@ def test_streamed_turn_keeps_reuse_through_a_real_params_feed() -> None:
     pytest.importorskip("vllm")
     from kvtier.connectors.params_feed import ParamsPublisher
     from kvtier.indexer.service import wait_until
+
     from kvtier.wire.params_feed import FinishedParams
 
     port = free_ports(1)[0]
