@@ -119,6 +119,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # each spec once (a start costs ~60 s of the CI budget). Unlisted modules run
 # after these, in file order.
 E2E_MODULE_ORDER = (
+    "test_router_disconnect",     # 1P1D nixl-bidirectional, fresh (its docstring says why)
     "test_foundation_pd",         # 1P1D nixl-bidirectional
     "test_indexer_e2e",           # 1P1D nixl-bidirectional
     "test_router_responses",      # 1P1D nixl-bidirectional
