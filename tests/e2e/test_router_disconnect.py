@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -55,8 +56,6 @@ def _generated(http, urls) -> float:
 def _generation_stops(http, urls, within_s: float = 15.0) -> float:
     """Tokens generated once generation has stopped on every instance (the counter unchanged
     over 1 s), or -1 if it goes on for ``within_s``."""
-    import time
-
     deadline = time.monotonic() + within_s
     last = _generated(http, urls)
     while time.monotonic() < deadline:
