@@ -173,7 +173,11 @@ class RouterConfig(BaseModel):
     client_keepalive_s: int = Field(75, ge=1)
     # Upstream connections per engine instance (bounded pool, kept alive).
     pool_max_connections: int = Field(256, ge=1)
-    pool_keepalive_s: float = Field(30.0, gt=0)
+    # How long an idle upstream connection is reused, seconds. Below the engines' own
+    # keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) so the router stops using a
+    # connection before the engine closes it: a request written on one the engine has just
+    # closed fails (it is then sent again once, upstream.py).
+    pool_keepalive_s: float = Field(4.0, gt=0)
     # The HTTP client of the engine legs: aiohttp when installed ("auto"), or httpx.
     upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"
     # An instance ejected for failed legs is offered one probe leg this often; the first

@@ -100,10 +100,12 @@ class Legs:
         kind = config.upstream_client
         if kind == "auto":
             kind = "aiohttp" if transport is None and aiohttp_available() else "httpx"
+        resent = metrics.stale_resends.inc
         self.upstream: Upstream = (
-            AiohttpUpstream(urls, t.connect_s, n, config.pool_keepalive_s)
+            AiohttpUpstream(urls, t.connect_s, n, config.pool_keepalive_s, resent)
             if kind == "aiohttp" and transport is None
-            else HttpxUpstream(urls, t.connect_s, n, config.pool_keepalive_s, transport))
+            else HttpxUpstream(urls, t.connect_s, n, config.pool_keepalive_s, transport,
+                               resent))
         self.indexer = (IndexerClient(config.indexer, self.client, t.indexer_s)
                         if config.indexer else None)
         self.indexer_ok: bool | None = None  # the last indexer call's fate (None: none yet)

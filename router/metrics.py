@@ -40,6 +40,10 @@ class RouterMetrics:
                                        ["leg", "kind"], registry=r)
         self.retries = Counter(p + "retries", "Legs retried elsewhere or recomputed",
                                ["leg", "action"], registry=r)
+        self.stale_resends = Counter(p + "upstream_stale_resends",
+                                     "Engine requests sent again on a new connection after the "
+                                     "pooled one they were written on turned out closed",
+                                     registry=r)
         self.indexer_unavailable = Counter(p + "indexer_unavailable",
                                            "Indexer calls that failed (request served anyway)",
                                            ["call"], registry=r)

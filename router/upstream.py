@@ -16,13 +16,22 @@ chunk. Transport trouble is raised as ``UpstreamIOError`` with a ``retry.Failure
 Timeouts: ``total_s`` bounds a whole non-streaming leg; a stream's ``idle_s`` bounds the
 wait for each read (the first byte included), never the stream's length.
 
+Stale pooled connections: an engine closes a connection that sat idle (vLLM's server after
+``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s). If it does so just as the next request is written on
+it, that request fails before the engine read it (a CI run lost a prefill leg, and with it a
+D->P read, this way). Both implementations send such a request once more, on a new
+connection, and call ``on_resend``: only when the connection was a reused one and no answer
+had begun. A request that fails on a new connection is never resent (the engine may be
+running it). ``RouterConfig.pool_keepalive_s`` stays below the engines' keep-alive so the
+race is rare to begin with.
+
 Threading model: used from the app's event loop only; sessions are created lazily inside it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 import httpx
@@ -33,6 +42,10 @@ class UpstreamIOError(Exception):
     def __init__(self, kind: Failure, detail: str) -> None:
         super().__init__(detail)
         self.kind = kind
+
+
+def _nothing() -> None:
+    pass
 
 
 class Stream(Protocol):
@@ -47,6 +60,7 @@ class Stream(Protocol):
 
 class Upstream(Protocol):
     name: str
+    on_resend: Callable[[], None]  # called when a request is sent again (stale connection)
 
     async def post(self, url: str, body: bytes, headers: dict[str, str], total_s: float,
                    ) -> tuple[int, bytes]: ...
@@ -88,13 +102,31 @@ class _HttpxStream:
         await self.resp.aclose()
 
 
+# Errors of a request written on a connection the peer had already closed.
+_HTTPX_STALE = (httpx.RemoteProtocolError, httpx.WriteError, httpx.ReadError)
+
+
+class _NewConnection:
+    """httpcore trace hook: whether the request opened a new TCP connection."""
+
+    __slots__ = ("opened",)
+
+    def __init__(self) -> None:
+        self.opened = False
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event.startswith("connection.connect_tcp"):
+            self.opened = True
+
+
 class HttpxUpstream:
     name = "httpx"
 
     def __init__(self, urls: Iterable[str], connect_s: float, max_connections: int,
                  keepalive_s: float, transport: httpx.AsyncBaseTransport | None = None,
-                 ) -> None:
+                 on_resend: Callable[[], None] | None = None) -> None:
         self.connect_s = connect_s
+        self.on_resend = on_resend or _nothing
         limits = httpx.Limits(max_connections=max_connections,
                               max_keepalive_connections=max_connections,
                               keepalive_expiry=keepalive_s)
@@ -109,26 +141,38 @@ class HttpxUpstream:
                 return c
         return self._shared
 
+    async def _send(self, url: str, body: bytes, headers: dict[str, str],
+                    timeout: httpx.Timeout) -> httpx.Response:
+        """The response, its body not read yet; resent once after a stale connection."""
+        c = self._client(url)
+        for resend in (False, True):
+            hook = _NewConnection()
+            req = c.build_request("POST", url, content=body, headers=headers, timeout=timeout,
+                                  extensions={"trace": hook})
+            try:
+                return await c.send(req, stream=True)
+            except _HTTPX_STALE as e:
+                if resend or hook.opened:
+                    raise _httpx_error(e) from None
+                self.on_resend()
+            except httpx.HTTPError as e:
+                raise _httpx_error(e) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def post(self, url: str, body: bytes, headers: dict[str, str], total_s: float,
                    ) -> tuple[int, bytes]:
+        r = await self._send(url, body, headers, httpx.Timeout(total_s, connect=self.connect_s))
         try:
-            r = await self._client(url).post(url, content=body, headers=headers,
-                                             timeout=httpx.Timeout(total_s,
-                                                                   connect=self.connect_s))
+            return r.status_code, await r.aread()
         except httpx.HTTPError as e:
             raise _httpx_error(e) from None
-        return r.status_code, r.content
+        finally:
+            await r.aclose()
 
     async def open(self, url: str, body: bytes, headers: dict[str, str], idle_s: float,
                    ) -> Stream:
-        c = self._client(url)
-        req = c.build_request("POST", url, content=body, headers=headers,
-                              timeout=httpx.Timeout(idle_s, connect=self.connect_s))
-        try:
-            resp = await c.send(req, stream=True)
-        except httpx.HTTPError as e:
-            raise _httpx_error(e) from None
-        return _HttpxStream(resp)
+        return _HttpxStream(await self._send(url, body, headers,
+                                             httpx.Timeout(idle_s, connect=self.connect_s)))
 
     async def aclose(self) -> None:
         for c in self._clients.values():
@@ -184,11 +228,25 @@ def _aiohttp_error(e: BaseException) -> UpstreamIOError:
     return UpstreamIOError(Failure.PROTOCOL, str(e) or type(e).__name__)
 
 
+class _Reuse:
+    """aiohttp trace context: whether the request was handed a pooled connection."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
+    ctx.trace_request_ctx.reused = True
+
+
 class AiohttpUpstream:
     name = "aiohttp"
 
     def __init__(self, urls: Iterable[str], connect_s: float, max_connections: int,
-                 keepalive_s: float) -> None:
+                 keepalive_s: float, on_resend: Callable[[], None] | None = None) -> None:
+        self.on_resend = on_resend or _nothing
         self.urls = list(urls)
         self.connect_s = connect_s
         self.max_connections = max_connections
@@ -204,21 +262,42 @@ class AiohttpUpstream:
             conn = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
                                         keepalive_timeout=self.keepalive_s,
                                         enable_cleanup_closed=False, ttl_dns_cache=300)
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_reuseconn.append(_on_reuse)
             s = self._sessions[base] = aiohttp.ClientSession(
-                connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",))
+                connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",),
+                trace_configs=[trace])
         return s
+
+    async def _send(self, url: str, body: bytes, headers: dict[str, str], timeout: Any) -> Any:
+        """The response, its body not read yet; resent once after a stale connection."""
+        import aiohttp
+
+        for resend in (False, True):
+            mark = _Reuse()
+            try:
+                return await self._session(url).post(url, data=body, headers=headers,
+                                                      timeout=timeout, trace_request_ctx=mark)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                if resend or not mark.reused or isinstance(e, aiohttp.ClientConnectorError):
+                    raise _aiohttp_error(e) from None
+                self.on_resend()
+            except (TimeoutError, aiohttp.ClientError) as e:
+                raise _aiohttp_error(e) from None
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def post(self, url: str, body: bytes, headers: dict[str, str], total_s: float,
                    ) -> tuple[int, bytes]:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self.connect_s)
+        r = await self._send(url, body, headers, timeout)
         try:
-            async with self._session(url).post(url, data=body, headers=headers,
-                                               timeout=timeout) as r:
-                return r.status, await r.read()
+            return r.status, await r.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise _aiohttp_error(e) from None
+        finally:
+            r.release()
 
     async def open(self, url: str, body: bytes, headers: dict[str, str], idle_s: float,
                    ) -> Stream:
@@ -226,12 +305,7 @@ class AiohttpUpstream:
 
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s,
                                         sock_read=idle_s)
-        try:
-            resp = await self._session(url).post(url, data=body, headers=headers,
-                                                 timeout=timeout)
-        except (TimeoutError, aiohttp.ClientError) as e:
-            raise _aiohttp_error(e) from None
-        return _AiohttpStream(resp)
+        return _AiohttpStream(await self._send(url, body, headers, timeout))
 
     async def aclose(self) -> None:
         for s in self._sessions.values():
