@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import pytest
 import zmq
@@ -17,6 +15,25 @@ from kvtier.wire.kv_events import END_SEQ
 pytestmark = pytest.mark.integration
 
 
+def _subscribed(pub: TierEventPublisher, sub: zmq.Socket) -> int:
+    """Publish probe batches until ``sub`` receives them (a PUB drops what it sends before
+    the subscription has reached it; no fixed sleep is long enough on a loaded machine);
+    the last probe's seq."""
+    probe = HostTier(1, 64)
+    for i in range(100):
+        job = probe.prepare_store([RequestKey(10_000 + i)])
+        probe.complete_store(job.job_id, True)
+        pub.publish(probe.take_events(), block_size=4)
+        if sub.poll(100):
+            break
+    else:
+        raise AssertionError("the subscription never reached the publisher")
+    last = -1
+    while sub.poll(300):  # probes still on their way
+        last = int.from_bytes(sub.recv_multipart()[1], "big")
+    return last
+
+
 def test_publish_and_replay_vllm_format():
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
@@ -27,8 +44,8 @@ def test_publish_and_replay_vllm_format():
     sub = ctx.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{pub_port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@p0-cpu")
-    time.sleep(0.3)  # slow joiner
     try:
+        seq0 = _subscribed(pub, sub) + 1
         tier = HostTier(1, 64)
         metas = [BlockMeta(token_ids=tuple(range(4)), engine_hash=EngineBlockHash(111))]
         job = tier.prepare_store([RequestKey(7)], metas)
@@ -40,7 +57,7 @@ def test_publish_and_replay_vllm_format():
 
         assert sub.poll(5000)
         topic, seq, payload = sub.recv_multipart()
-        assert topic == b"kv@p0-cpu" and int.from_bytes(seq, "big") == 0
+        assert topic == b"kv@p0-cpu" and int.from_bytes(seq, "big") == seq0
         batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
         kinds = [type(e) for e in batch.events]
         assert kinds == [BlockStored, BlockRemoved, BlockStored, AllBlocksCleared]
@@ -52,12 +69,12 @@ def test_publish_and_replay_vllm_format():
 
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(f"tcp://127.0.0.1:{replay_port}")
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        dealer.send_multipart([b"", seq0.to_bytes(8, "big")])
         assert dealer.poll(5000)
         # vLLM's replay frames: (b"", topic, seq, payload), then (b"", b"", END, b"")
         _, rtopic, rseq, rpayload = dealer.recv_multipart()
         assert rtopic == b"kv@p0-cpu"
-        assert int.from_bytes(rseq, "big") == 0 and rpayload == payload
+        assert int.from_bytes(rseq, "big") == seq0 and rpayload == payload
         assert dealer.poll(5000)
         assert dealer.recv_multipart() == [b"", b"", END_SEQ.to_bytes(8, "big"), b""]
         dealer.close(linger=0)

@@ -2,7 +2,10 @@
 
 ``Publisher`` below speaks vLLM's PUB + replay-ROUTER protocol (checked against
 vLLM's own ZmqEventPublisher in the last test) and can drop or garble batches,
-which the real engine cannot be made to do on demand.
+which the real engine cannot be made to do on demand. Its socket is an XPUB, so a test
+can wait until the indexer's subscription has really arrived (``ready``): a PUB drops what
+it sends before then, and on a loaded CI machine a fixed sleep after the TCP connect was
+not always enough.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ class Publisher:
         self.host = host
         self.ctx = zmq.Context()
         self.topic = topic
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)  # a PUB that tells its subscriptions
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # each subscriber's, not just the first
         self.port = self._bind(self.pub, port)
+        self.subscriptions = 0
         self.seq = 0
         self.buffer: deque = deque(maxlen=buffer)
         self.lock = threading.Lock()
@@ -68,6 +73,17 @@ class Publisher:
 
     def raw(self, frames):
         self.pub.send_multipart(frames)
+
+    def wait_subscribed(self, count=1, timeout=10.0) -> bool:
+        """Until ``count`` subscriptions have reached this socket (in its lifetime)."""
+        deadline = time.monotonic() + timeout
+        while self.subscriptions < count:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.pub.poll(int(left * 1000)):
+                return False
+            if self.pub.recv()[:1] == b"\x01":
+                self.subscriptions += 1
+        return True
 
     def _serve(self):
         poller = zmq.Poller()
@@ -124,9 +140,10 @@ def connected(svc, name="p"):
     return lambda: svc.pod_status()[name]["connected"]
 
 
-def ready(svc) -> bool:
-    """Every pod connected, and the subscription has had time to reach the PUB."""
-    return svc.wait_connected(10.0, settle_s=0.1)
+def ready(svc, *pubs) -> bool:
+    """Every pod connected, and the subscription has reached each publisher."""
+    assert pubs, "name the publishers the test drives"
+    return svc.wait_connected(10.0, settle_s=0) and all(p.wait_subscribed() for p in pubs)
 
 
 def test_started_after_the_engine_rebuilds_from_replay():
@@ -140,7 +157,7 @@ def test_started_after_the_engine_rebuilds_from_replay():
             assert wait_until(lambda: matched(svc, a) == 5)
             st = svc.pod_status()["p"]
             assert st["last_seq"] == 2 and st["gaps"] == 0
-            assert ready(svc)
+            assert ready(svc, pub)
             pub.publish([a.stored(5, 6, medium="CPU")])
             assert wait_until(lambda: matched(svc, a, tier="CPU") == 0 and
                               svc.pod_status()["p"]["last_seq"] == 3)
@@ -155,7 +172,7 @@ def test_gap_is_recovered_by_replay():
     a = Prompt(0, 6)
     try:
         with make([pub.spec()]) as svc:
-            assert ready(svc)
+            assert ready(svc, pub)
             pub.publish([a.stored(0, 2)])
             assert wait_until(lambda: matched(svc, a) == 2)
             pub.publish([a.stored(2, 4)], drop=True)   # lost on the wire
@@ -173,7 +190,7 @@ def test_unrecoverable_gap_is_counted_and_indexing_goes_on():
     a, b = Prompt(0, 4), Prompt(1000, 2)
     try:
         with make([pub.spec()]) as svc:
-            assert ready(svc)
+            assert ready(svc, pub)
             pub.publish([a.stored(0, 2)])
             assert wait_until(lambda: matched(svc, a) == 2)
             pub.publish([a.stored(2, 3)], drop=True)
@@ -193,7 +210,7 @@ def test_garbage_frames_are_counted_and_skipped():
     a = Prompt(0, 3)
     try:
         with make([pub.spec()]) as svc:
-            assert ready(svc)
+            assert ready(svc, pub)
             pub.raw([b"only one frame"])
             pub.raw([b"", b"\x00" * 3, b"bad seq"])
             pub.raw([b"", (0).to_bytes(8, "big"), b"\xc1\xc1 not msgpack"])  # seq 0 consumed
@@ -213,7 +230,7 @@ def test_publisher_restart_clears_the_pod():
     a, b = Prompt(0, 4), Prompt(500, 2)
     try:
         with make([pub.spec()]) as svc:
-            assert ready(svc)
+            assert ready(svc, pub)
             for i in range(4):
                 pub.publish([a.stored(i, i + 1)])
             assert wait_until(lambda: matched(svc, a) == 4)
@@ -245,8 +262,7 @@ def test_pod_that_never_answers_does_not_hold_up_others():
     try:
         with make([dead, pub.spec()]) as svc:
             assert not svc.wait_connected(1.0)  # "dead" never connects
-            assert wait_until(connected(svc))
-            time.sleep(0.1)
+            assert wait_until(connected(svc)) and pub.wait_subscribed()
             pub.publish([a.stored(0, 2)])
             assert wait_until(lambda: matched(svc, a) == 2)
             assert wait_until(lambda: svc.pod_details()["dead"]["replay_timeouts"] >= 1)
@@ -264,7 +280,7 @@ def test_pods_added_and_removed_at_runtime():
         with make([]) as svc:
             svc.add_pod(pub1.spec("a"))
             svc.add_pod(pub2.spec("b", p2p="127.0.0.1:7000"))
-            assert ready(svc)
+            assert ready(svc, pub1, pub2)
             pub1.publish([a.stored(0, 2)])
             pub2.publish([a.stored(0, 1, medium="CPU")])
             assert wait_until(lambda: matched(svc, a, "a") == 2 and
@@ -353,7 +369,7 @@ def test_snapshot_restores_and_resumes_after_restart(tmp_path):
     snap = tmp_path / "idx.snap"
     try:
         with make([pub.spec()], snapshot_path=str(snap)) as svc:
-            assert ready(svc)
+            assert ready(svc, pub)
             for i in range(4):
                 pub.publish([a.stored(i, i + 1)])
             assert wait_until(lambda: matched(svc, a) == 4)
@@ -382,7 +398,7 @@ def test_source_prefers_cpu_peers_by_delta_and_never_the_target():
                  pubs["y"].spec("y", p2p="127.0.0.1:7003"),
                  pubs["z"].spec("z")]                         # no p2p address: not a source
         with make(specs) as svc:
-            assert ready(svc)
+            assert ready(svc, *pubs.values())
             pubs["t"].publish([a.stored(0, 2), a.stored(0, 3, "CPU")])
             pubs["x"].publish([a.stored(0, 6, "CPU")])
             pubs["y"].publish([a.stored(0, 6, "CPU"), a.stored(0, 8)])  # GPU does not count
@@ -414,8 +430,11 @@ def test_wait_connected_waits_for_every_pod_and_names_the_missing():
     try:
         with make([pub.spec()]) as svc:
             assert svc.wait_connected(10.0, settle_s=0.1)
+            # The settle is a guess at the subscription's travel (vLLM's PUB cannot tell);
+            # this publisher can, and a loaded machine may need longer than the guess.
+            assert pub.wait_subscribed()
             a = Prompt(0, 2)
-            pub.publish([a.stored(0, 2)])  # published right after: not dropped
+            pub.publish([a.stored(0, 2)])
             assert wait_until(lambda: matched(svc, a) == 2)
         with make([pub.spec(), dead_spec]) as svc:
             assert not svc.wait_connected(0.5)
