@@ -39,7 +39,7 @@ def test_two_streams_of_one_pod_merge_with_their_own_sequences(pubs):
     specs = [eng.spec("d"), host.spec("d", p2p="10.0.0.4:7100"),
              other.spec("p", p2p="10.0.0.5:7100")]
     with make(specs) as svc:
-        assert ready(svc)
+        assert ready(svc, eng, host, other)
         assert set(svc.subscriber.streams) == {"d", "d#1", "p"}
         eng.publish([a.stored(0, 2)])
         eng.publish([a.stored(2, 3)], drop=True)          # a gap on the engine stream only
@@ -89,7 +89,7 @@ def test_target_is_never_its_own_source_and_delta_counts_every_tier(pubs):
     specs = [d_eng.spec("d"), d_host.spec("d", p2p="10.0.0.4:7100"),
              p_host.spec("p", p2p="10.0.0.5:7100")]
     with make(specs) as svc:
-        assert ready(svc)
+        assert ready(svc, d_eng, d_host, p_host)
         d_eng.publish([a.stored(0, 2)])
         d_host.publish([a.stored(0, 9, "CPU")])               # the target's own host tier
         p_host.publish([a.stored(0, 6, "CPU")])
@@ -112,7 +112,7 @@ def test_a_silent_pod_is_not_offered_and_comes_back_after_replay(pubs):
 
     svc = IndexerService(cfg)
     with svc, TestClient(build_app(svc)) as c:
-        assert ready(svc)
+        assert ready(svc, x, y)
         x.publish([a.stored(0, 6, "CPU")])
         y.publish([a.stored(0, 4, "CPU")])
         assert wait_until(lambda: matched(svc, a, "x", "CPU") == 6 and
@@ -150,7 +150,7 @@ def test_route_equals_lookup_plus_source(pubs):
              v.spec("v", p2p="10.0.0.3:3")]
     svc = make(specs)
     with svc, TestClient(build_app(svc)) as c:
-        assert ready(svc)
+        assert ready(svc, t, u, v)
         t.publish([a.stored(0, 2)])
         u.publish([a.stored(0, 8, "CPU")])
         v.publish([a.stored(0, 7, "CPU"), a.stored(0, 3)])
@@ -200,7 +200,7 @@ def test_a_stream_added_over_http_joins_its_pod(pubs):
     a = Prompt(0, 4)
     svc = make([eng.spec("d")])
     with svc, TestClient(build_app(svc)) as c:
-        assert ready(svc)
+        assert ready(svc, eng)
         spec = f"d=tcp://127.0.0.1:{host.port},replay=tcp://127.0.0.1:{host.replay_port}," \
                "p2p=10.0.0.4:7100,topic=kv@dh"
         r = c.post("/v1/pods", json={"spec": spec})
@@ -209,7 +209,7 @@ def test_a_stream_added_over_http_joins_its_pod(pubs):
         assert r.status_code == 201 and r.json() == {"added": "d", "stream": "d#host"}
         r = c.post("/v1/pods", json={"spec": spec + ",stream=again"})
         assert r.status_code == 409 and "twice" in r.json()["error"]
-        assert ready(svc)
+        assert ready(svc, host)
         host.publish([a.stored(0, 4, "CPU")])
         assert wait_until(lambda: matched(svc, a, "d", "CPU") == 4)
         assert svc.source("m", a.toks, "q").source.pod == "d"

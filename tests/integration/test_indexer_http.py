@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -39,7 +38,7 @@ def client(pub):
                         max_lookup_tokens=1000)
     svc = IndexerService(cfg)
     with svc, TestClient(build_app(svc)) as c:
-        assert ready(svc)
+        assert ready(svc, pub)
         c.svc = svc
         yield c
 
@@ -117,7 +116,7 @@ def test_add_and_remove_pod_over_http(client):
         spec = f"n=tcp://127.0.0.1:{pub2.port},replay=tcp://127.0.0.1:{pub2.replay_port}," \
                "p2p=127.0.0.1:9,model=m,topic=kv@n"
         assert client.post("/v1/pods", json={"spec": spec}).status_code == 201
-        assert ready(client.svc)
+        assert ready(client.svc, pub2)
         a = Prompt(0, 2)
         pub2.publish([a.stored(0, 2)])
         assert wait_until(lambda: any(m["pod"] == "n" for m in client.post(
@@ -164,7 +163,7 @@ def test_cli_daemon_serves_and_snapshots_on_sigterm(pub, tmp_path):
             except httpx.HTTPError:
                 return False
         assert wait_until(up, timeout=30), proc.stdout.read1().decode() if proc.poll() else ""
-        time.sleep(0.1)
+        assert pub.wait_subscribed()
         pub.publish([a.stored(0, 3)])
         assert wait_until(lambda: httpx.post(f"{url}/v1/lookup", json={
             "model": "m", "token_ids": a.toks}).json()["matches"] == [

@@ -156,7 +156,7 @@ def test_two_replicas_on_one_redis(tmp_path):
                                                                       tmp_path)]
         A, B = reps
         assert wait_until(lambda: A.connected() and B.connected(), timeout=20)
-        time.sleep(0.2)  # the subscriptions reach the PUBs
+        assert p.wait_subscribed(2) and q.wait_subscribed(2)  # both replicas' SUBs
         p.publish([a.stored(0, 4), a.stored(0, 3, "CPU")])
         q.publish([a.stored(0, 5, "CPU")])
         assert wait_until(lambda: gpu(A, a) == 4 and gpu(B, a) == 4)
