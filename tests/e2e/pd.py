@@ -1,8 +1,12 @@
-"""A hand-rolled P/D exchange for foundation tests (the router does this for real)."""
+"""A hand-rolled P/D exchange for foundation tests (the router does this for real), and the
+e2e helpers its neighbours share."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+import warnings
 from typing import Any
 
 import httpx
@@ -53,3 +57,24 @@ def reset_prefix_cache(client: httpx.Client, url: str, retry_s: float = 0.0) -> 
         if ok or time.monotonic() >= deadline:
             return ok
         time.sleep(0.1)
+
+
+def reaped(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Wait for a killed process. A run here once saw a SIGKILLed router outlive two 10 s
+    waits (cause unknown; the machine was short of nothing). A test times its claim from
+    the kill, not from here; a process that lingers is a warning naming what its threads
+    are doing (state and kernel wait channel), not the test's failure."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        state = []
+        for task in sorted(os.listdir(f"/proc/{proc.pid}/task")):
+            try:
+                with open(f"/proc/{proc.pid}/task/{task}/stat") as f:
+                    stat = f.read().split(") ", 1)[1].split()[0]
+                with open(f"/proc/{proc.pid}/task/{task}/wchan") as f:
+                    state.append(f"{task}:{stat}:{f.read()}")
+            except OSError as e:
+                state.append(f"{task}:{e}")
+        warnings.warn(f"pid {proc.pid} alive {timeout_s:.0f} s after SIGKILL; threads "
+                      f"(state:wchan): {state}", stacklevel=2)

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +32,7 @@ from kvtier.router.server import RouterServer
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
 from kvtier.runtime import free_ports
-from tests.e2e.pd import metric
+from tests.e2e.pd import metric, reaped
 from tests.e2e.test_router_pd import MODEL, ids, reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -164,29 +163,7 @@ def test_a_killed_router_frees_within_one_lease(http, stack, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        _reaped(proc)
-
-
-def _reaped(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """Wait for a killed process. A run here once saw a SIGKILLed router outlive two 10 s
-    waits (cause unknown; nothing else of the machine was short). The test's claim is timed
-    from the kill and checked before this; a process that lingers is reported as a warning
-    with what its threads are doing (state and kernel wait channel), not as the test's
-    failure."""
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        state = []
-        for task in sorted(os.listdir(f"/proc/{proc.pid}/task")):
-            try:
-                with open(f"/proc/{proc.pid}/task/{task}/stat") as f:
-                    stat = f.read().split(") ", 1)[1].split()[0]
-                with open(f"/proc/{proc.pid}/task/{task}/wchan") as f:
-                    state.append(f"{task}:{stat}:{f.read()}")
-            except OSError as e:
-                state.append(f"{task}:{e}")
-        warnings.warn(f"pid {proc.pid} alive {timeout_s:.0f} s after SIGKILL; threads "
-                      f"(state:wchan): {state}", stacklevel=2)
+        reaped(proc)
 
 
 def _healthy(http: httpx.Client, url: str) -> bool:

@@ -25,7 +25,7 @@ from kvtier.router.server import RouterServer
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
 from kvtier.runtime import free_ports
-from tests.e2e.pd import metric
+from tests.e2e.pd import metric, reaped
 from tests.e2e.test_router_pd import ids, reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -155,7 +155,7 @@ def test_a_router_killed_between_turns_loses_nothing(http, stack, redis_url, tmp
         gen, _, _ = turn(http, stack, url, p1, conv)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
-        first.wait(timeout=10)
+        reaped(first)
     again, url2 = _spawn_router(tmp_path, stack, redis_url, ns)
     try:
         history = p1 + gen
