@@ -17,12 +17,13 @@ import time
 
 import httpx
 import pytest
+from kvtier.indexer.service import wait_until
 from kvtier.router.server import RouterServer
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
 from tests.e2e.pd import metric
-from tests.e2e.test_router_pd import MODEL, _wait, ids, router_config, router_metric
+from tests.e2e.test_router_pd import MODEL, ids, router_config, router_metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -92,7 +93,7 @@ def test_client_disconnect_cancels_upstream(http, stack, router):
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                      b"\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
-        assert _wait(lambda: _generated(http, urls) > g1, 30), "the request never started"
+        assert wait_until(lambda: _generated(http, urls) > g1, 30, 0.1), "the request never started"
         sock.setblocking(False)
         try:
             early = sock.recv(200)
@@ -102,5 +103,5 @@ def test_client_disconnect_cancels_upstream(http, stack, router):
     g2 = _generation_stops(http, urls)
     assert g2 >= 0, "request still generating 15 s after the client left"
     assert g2 - g1 < MAX_TOKENS, f"request not cancelled after the client left: {g2 - g1:.0f}"
-    assert _wait(lambda: router_metric(http, router, "kvtier_router_client_disconnects_total")
-                 > gone0, 4)
+    assert wait_until(lambda: router_metric(http, router, "kvtier_router_client_disconnects_total")
+                      > gone0, 4, 0.1)

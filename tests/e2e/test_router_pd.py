@@ -378,17 +378,6 @@ def test_indexer_down_dead_and_reset_prefill_still_answer_correctly(http, stack)
         reset.close()
 
 
-def _wait(cond, within_s: float) -> bool:
-    import time
-
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
-
-
 def test_decode_killed_between_turns_is_recomputed(http, stack, router):
     """Last test of the module: kills the pooled stack's decode instance."""
     conv = "kill-decode"
