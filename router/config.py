@@ -178,6 +178,9 @@ class RouterConfig(BaseModel):
     # connection before the engine closes it: a request written on one the engine has just
     # closed fails (it is then sent again once, upstream.py).
     pool_keepalive_s: float = Field(4.0, gt=0)
+    # An event loop that stands still this long, seconds, is logged with the line blocking it
+    # and counted (kvtier_router_event_loop_stall_seconds); 0 turns the watchdog off.
+    loop_stall_warn_s: float = Field(1.0, ge=0)
     # The HTTP client of the engine legs: aiohttp when installed ("auto"), or httpx.
     upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"
     # An instance ejected for failed legs is offered one probe leg this often; the first

@@ -92,6 +92,7 @@ from kvtier.router.store import (
 
 from kvtier.ids import ConversationId, Outcome, PodId, ReusePath
 from kvtier.transfer_params import KVTransferParams, NixlParams
+from kvtier.watchdog import LoopWatchdog
 from kvtier.wire.leases import ReleaseReason
 from kvtier.wire.reuse_headers import ReuseReport
 
@@ -130,9 +131,14 @@ class Router(DecodeLeg):
                                min_samples=config.cost_refit_min_samples,
                                on_change=self.retention.set_cost)
         self._health_task: asyncio.Task[None] | None = None
+        self.watchdog = (LoopWatchdog("router", config.loop_stall_warn_s,
+                                      on_stall=self.metrics.loop_stalls.observe)
+                         if config.loop_stall_warn_s > 0 else None)
 
     # ---- lifecycle -------------------------------------------------------
     async def start(self, health_checks: bool = True) -> None:
+        if self.watchdog is not None:
+            self.watchdog.start()
         await self.feed.start()
         await self.retention.start()
         if health_checks:
@@ -152,6 +158,8 @@ class Router(DecodeLeg):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await self.store.aclose()
+        if self.watchdog is not None:
+            await self.watchdog.stop()
 
     async def _health_loop(self) -> None:
         while True:

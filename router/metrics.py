@@ -40,6 +40,10 @@ class RouterMetrics:
                                        ["leg", "kind"], registry=r)
         self.retries = Counter(p + "retries", "Legs retried elsewhere or recomputed",
                                ["leg", "action"], registry=r)
+        self.loop_stalls = Histogram(p + "event_loop_stall_seconds", "Stalls of the router's "
+                                     "event loop of at least loop_stall_warn_s (every request "
+                                     "waited meanwhile; the log names the blocking line)",
+                                     buckets=(1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.stale_resends = Counter(p + "upstream_stale_resends",
                                      "Engine requests sent again on a new connection after the "
                                      "pooled one they were written on turned out closed",

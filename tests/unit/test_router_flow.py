@@ -360,3 +360,32 @@ def test_a_failed_refit_is_logged_once_not_per_leg(monkeypatch, caplog) -> None:
         "cost refit failed; keeping the model in use: refit over 3 samples failed: singular"]
     assert rc.online is not None and rc.online.attempts == 1
     assert rc.model is not None and rc.model.prefill_b_s_per_token == 1e-3
+
+
+def test_a_blocked_event_loop_is_logged_with_its_line_and_counted(caplog):
+    """A synchronous call on the router's loop (here, in the upstream transport) stalls every
+    request; the watchdog logs the line while it lasts and the metric counts it."""
+
+    class Blocking(FakeEngines):
+        async def handle_async_request(self, request: Any) -> Any:
+            if request.url.path == "/v1/completions":
+                time.sleep(0.6)  # noqa: ASYNC251 - the blocking line a report must name
+            return await super().handle_async_request(request)
+
+    with caplog.at_level("WARNING", logger="kvtier.watchdog"):
+        for s in make(Blocking(), loop_stall_warn_s=0.2):
+            assert s.complete(PROMPT).status_code == 200
+            deadline = time.monotonic() + 5
+            while (s.metric("kvtier_router_event_loop_stall_seconds_count") < 1
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            assert s.metric("kvtier_router_event_loop_stall_seconds_count") >= 1
+            assert s.metric("kvtier_router_event_loop_stall_seconds_sum") >= 0.4
+    during = [r.getMessage() for r in caplog.records if "has not turned" in r.getMessage()]
+    assert during and "time.sleep(0.6)" in during[0], during
+
+
+def test_the_watchdog_can_be_turned_off():
+    for s in make(loop_stall_warn_s=0):
+        assert s.router.watchdog is None
+        assert s.complete(PROMPT).status_code == 200

@@ -1,0 +1,83 @@
+"""LoopWatchdog: a blocked event loop is logged while it lasts, with the blocking line, and
+measured when it turns again; a loop that keeps turning is never reported."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from kvtier.watchdog import LoopWatchdog
+
+
+def _stuck_in_sync_call(seconds: float) -> None:
+    time.sleep(seconds)  # the line a report must name
+
+
+async def _watched(block_s: float, idle_s: float, stalls: list[float]) -> None:
+    dog = LoopWatchdog("test", threshold_s=0.2, interval_s=0.02, on_stall=stalls.append)
+    dog.start()
+    await asyncio.sleep(idle_s)
+    if block_s:
+        _stuck_in_sync_call(block_s)
+    await asyncio.sleep(0.1)  # the heartbeat turns again
+    await dog.stop()
+
+
+def test_a_blocked_loop_is_reported_while_blocked_with_its_stack_then_measured(caplog):
+    stalls: list[float] = []
+    with caplog.at_level(logging.WARNING, logger="kvtier.watchdog"):
+        asyncio.run(_watched(0.8, 0.1, stalls))
+    during = [r.getMessage() for r in caplog.records if "has not turned" in r.getMessage()]
+    assert len(during) == 1, during  # once per stall, not every check
+    assert "_stuck_in_sync_call" in during[0] and "time.sleep(seconds)" in during[0]
+    assert len(stalls) == 1 and 0.6 < stalls[0] < 1.5, stalls
+    after = [r.getMessage() for r in caplog.records if "stood still" in r.getMessage()]
+    assert len(after) == 1 and "the test's event loop" in after[0]
+
+
+def test_a_turning_loop_is_never_reported(caplog):
+    stalls: list[float] = []
+    with caplog.at_level(logging.WARNING, logger="kvtier.watchdog"):
+        asyncio.run(_watched(0.0, 0.6, stalls))
+    assert stalls == [] and not caplog.records
+
+
+def test_two_stalls_are_two_reports(caplog):
+    stalls: list[float] = []
+
+    async def twice() -> None:
+        dog = LoopWatchdog("test", threshold_s=0.2, interval_s=0.02, on_stall=stalls.append)
+        dog.start()
+        await asyncio.sleep(0.05)
+        for _ in range(2):
+            _stuck_in_sync_call(0.5)
+            await asyncio.sleep(0.1)
+        await dog.stop()
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.watchdog"):
+        asyncio.run(twice())
+    assert len(stalls) == 2
+    assert sum("has not turned" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_stop_ends_the_watcher_thread():
+    async def run() -> LoopWatchdog:
+        dog = LoopWatchdog("test", threshold_s=0.2, interval_s=0.02)
+        dog.start()
+        await asyncio.sleep(0.05)
+        await dog.stop()
+        return dog
+
+    dog = asyncio.run(run())
+    assert dog._thread is not None
+    dog._thread.join(timeout=2)
+    assert not dog._thread.is_alive()
+
+
+@pytest.mark.parametrize("kw", [{"threshold_s": 0}, {"interval_s": -1}])
+def test_bad_settings_are_refused(kw):
+    with pytest.raises(ValueError, match="must be > 0"):
+        LoopWatchdog("test", **kw)
