@@ -10,8 +10,12 @@ machine never run two stacks at once.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from filelock import BaseFileLock
@@ -89,6 +93,26 @@ def stack_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackPool]:
     _POOLS.remove(pool)
 
 
+class _KvtierWarnings(logging.Handler):
+    """kvtier's own warnings of the last minutes (a stalled router loop names its blocking
+    line here), for a failed test's report: its tail is what a CI run keeps."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: deque[logging.LogRecord] = deque(maxlen=200)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def since(self, t0: float) -> list[str]:
+        return [f"{time.strftime('%H:%M:%S', time.localtime(r.created))} {r.name} "
+                f"[{r.threadName}] {r.getMessage()[:1500]}"
+                for r in list(self.records) if r.created >= t0]
+
+
+_WARNINGS = _KvtierWarnings()
+logging.getLogger("kvtier").addHandler(_WARNINGS)
+
 _NOTABLE = ("ERROR", "WARNING", "Error", "Traceback", "timed out", "Timeout")
 
 
@@ -96,7 +120,8 @@ _NOTABLE = ("ERROR", "WARNING", "Error", "Traceback", "timed out", "Timeout")
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """A failed test that ran on a stack gets its engines' notable log lines (warnings, errors,
     tracebacks; the last 12 of each instance) as a report section: a CI run keeps nothing else
-    of them, and an engine-side hang or refusal is otherwise invisible there."""
+    of them, and an engine-side hang or refusal is otherwise invisible there. Then kvtier's
+    own warnings during the test (a stalled router loop, with the line that blocked it)."""
     outcome = yield
     rep = outcome.get_result()  # type: ignore[attr-defined]
     if rep.when != "call" or not rep.failed:
@@ -113,6 +138,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             notable = [ln[-300:] for ln in lines if any(k in ln for k in _NOTABLE)][-12:]
             rep.sections.append((f"engine log {inst.spec.name} ({inst.log_path})",
                                  "\n".join(notable) or "(no warnings or errors)"))
+    said = _WARNINGS.since(call.start)
+    if said:  # last, below the engine logs: the end of a report is what a CI run keeps
+        rep.sections.append(("kvtier warnings during the test", "\n".join(said[-10:])))
 
 
 # e2e modules that share a stack spec run back to to back, so the pool starts
@@ -137,6 +165,14 @@ E2E_MODULE_ORDER = (
 )
 
 
+# An e2e test that could not talk to its stack (an exception: a timeout, a refused or broken
+# connection, a stack that did not start) runs once more, on a machine shared with others' jobs;
+# one whose check failed (an AssertionError) never does, nor one that ran out of pytest-timeout's
+# time. Every rerun is listed at the end of the run with its first failure and kvtier's warnings
+# (``pytest_terminal_summary``): it passed the second time, and it is still a bug to find.
+E2E_RERUN = pytest.mark.flaky(reruns=1, rerun_except=[AssertionError, "pytest-timeout"])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Run the cheap tiers first and keep e2e modules together, so a failing
     # unit test shows up in seconds and stacks are restarted as rarely as possible.
@@ -150,3 +186,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (rank, mod)
 
     items.sort(key=key)  # stable: order within a module is kept
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("flaky"):
+            item.add_marker(E2E_RERUN)
+
+
+_RERUNS: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.outcome == "rerun":  # type: ignore[comparison-overlap]
+        said = [text for name, text in report.sections if name.startswith("kvtier warnings")]
+        crash = getattr(report.longrepr, "reprcrash", None)
+        what = str(getattr(crash, "message", None) or report.longreprtext[-500:])
+        where = f"{crash.path}:{crash.lineno}: " if crash is not None else ""
+        _RERUNS.append((report.nodeid, "\n".join([where + what[:500], *said])))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _RERUNS:
+        return
+    terminalreporter.section("e2e tests that failed once and were run again")
+    for nodeid, first in _RERUNS:
+        terminalreporter.write_line(f"{nodeid}: first failure: {first}")
