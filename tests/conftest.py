@@ -170,7 +170,8 @@ E2E_MODULE_ORDER = (
 # one whose check failed (an AssertionError) never does, nor one that ran out of pytest-timeout's
 # time. Every rerun is listed at the end of the run with its first failure and kvtier's warnings
 # (``pytest_terminal_summary``): it passed the second time, and it is still a bug to find.
-E2E_RERUN = pytest.mark.flaky(reruns=1, rerun_except=[AssertionError, "pytest-timeout"])
+# (Where pytest-rerunfailures is not installed, a GPU machine's bare pytest, nothing is rerun.)
+E2E_RERUN = {"reruns": 1, "rerun_except": [AssertionError, "pytest-timeout"]}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -186,9 +187,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (rank, mod)
 
     items.sort(key=key)  # stable: order within a module is kept
+    if not config.pluginmanager.hasplugin("rerunfailures"):
+        return
     for item in items:
         if item.get_closest_marker("e2e") and not item.get_closest_marker("flaky"):
-            item.add_marker(E2E_RERUN)
+            item.add_marker(pytest.mark.flaky(**E2E_RERUN))
 
 
 _RERUNS: list[tuple[str, str]] = []
