@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import pytest
@@ -36,6 +37,31 @@ def test_a_blocked_loop_is_reported_while_blocked_with_its_stack_then_measured(c
     assert len(stalls) == 1 and 0.6 < stalls[0] < 1.5, stalls
     after = [r.getMessage() for r in caplog.records if "stood still" in r.getMessage()]
     assert len(after) == 1 and "the test's event loop" in after[0]
+    assert "it waited" in after[0], after  # a sleep uses no CPU
+
+
+def test_a_stall_that_computes_is_told_apart_from_one_that_waits(caplog):
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    async def run() -> None:
+        dog = LoopWatchdog("test", threshold_s=0.2, interval_s=0.02)
+        dog.start()
+        await asyncio.sleep(0.05)
+        spin(0.5)
+        await asyncio.sleep(0.1)
+        await dog.stop()
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.watchdog"):
+        asyncio.run(run())
+    after = [r.getMessage() for r in caplog.records if "stood still" in r.getMessage()]
+    assert len(after) == 1, after
+    # The spin used 0.5 s of its thread's CPU whatever else the machine ran (the words depend
+    # on how much wall time that took).
+    used = float(re.search(r"used ([0-9.]+) s of CPU", after[0]).group(1))
+    assert used >= 0.45, after
 
 
 def test_a_turning_loop_is_never_reported(caplog):
