@@ -75,10 +75,17 @@ def instances(stack) -> list[dict[str, Any]]:
             for i in stack.instances]
 
 
+# The store's call timeout here. The router's 0.5 s fails fast when Redis is slow, serving the
+# turn without reuse (its own tests: tests/integration). These tests are about sharing, and a
+# crowded machine can stall redis-server or the router past 0.5 s: a run here with one core
+# busy elsewhere timed out a take, and the turn was served without reuse, as designed.
+STORE_TIMEOUT = {"store_s": 5.0}
+
+
 def config(stack, redis_url: str, ns: str) -> RouterConfig:
     return RouterConfig.model_validate({"instances": instances(stack), "port": 0,
                                         "log_json": False, "store": redis_url,
-                                        "store_namespace": ns})
+                                        "store_namespace": ns, "timeouts": STORE_TIMEOUT})
 
 
 def body(prompt: list[int], conv: str | None) -> dict[str, Any]:
@@ -128,7 +135,8 @@ def _spawn_router(tmp: Path, stack, redis_url: str, ns: str) -> tuple[subprocess
     port = free_ports(1)[0]
     cfg = tmp / f"router-{port}.json"
     cfg.write_text(json.dumps({"instances": instances(stack), "port": port,
-                               "store": redis_url, "store_namespace": ns}))
+                               "store": redis_url, "store_namespace": ns,
+                               "timeouts": STORE_TIMEOUT}))
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "router", "--config",
                              str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
