@@ -59,9 +59,11 @@ class LoopWatchdog:
             return
         self._loop_thread = threading.get_ident()
         self._beat = time.monotonic()
-        self._stopped.clear()
+        # Each start has its own event: a watcher of an earlier start still waiting out its
+        # last check never sees this one cleared.
+        self._stopped = threading.Event()
         self._task = asyncio.get_running_loop().create_task(self._heartbeat())
-        self._thread = threading.Thread(target=self._watch, daemon=True,
+        self._thread = threading.Thread(target=self._watch, args=(self._stopped,), daemon=True,
                                         name=f"kvtier-{self.name}-watchdog")
         self._thread.start()
 
@@ -90,10 +92,10 @@ class LoopWatchdog:
                 if self.on_stall is not None:
                     self.on_stall(late)
 
-    def _watch(self) -> None:
+    def _watch(self, stopped: threading.Event) -> None:
         told: float | None = None  # the stamp of the stall already logged
         # Checked 5 times a threshold: any stall of 1.2 thresholds is seen while it lasts.
-        while not self._stopped.wait(self.threshold_s / 5):
+        while not stopped.wait(self.threshold_s / 5):
             beat = self._beat
             age = time.monotonic() - beat - self.interval_s
             if age < self.threshold_s or beat == told:

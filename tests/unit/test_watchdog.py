@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 
 import pytest
@@ -98,6 +99,26 @@ def test_stop_ends_the_watcher_thread():
         return dog
 
     dog = asyncio.run(run())
+    assert dog._thread is not None
+    dog._thread.join(timeout=2)
+    assert not dog._thread.is_alive()
+
+
+def test_a_restart_right_after_stop_leaves_one_watcher():
+    async def run() -> tuple[LoopWatchdog, threading.Thread]:
+        dog = LoopWatchdog("test", threshold_s=1.0, interval_s=0.02)
+        dog.start()
+        first = dog._thread
+        await dog.stop()
+        dog.start()  # within the first watcher's 0.2 s wait
+        await asyncio.sleep(0.05)
+        await dog.stop()
+        assert first is not None
+        return dog, first
+
+    dog, first = asyncio.run(run())
+    first.join(timeout=2)
+    assert not first.is_alive()
     assert dog._thread is not None
     dog._thread.join(timeout=2)
     assert not dog._thread.is_alive()
