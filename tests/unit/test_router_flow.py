@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from kvtier.indexer.service import wait_until
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
@@ -375,11 +376,9 @@ def test_a_blocked_event_loop_is_logged_with_its_line_and_counted(caplog):
     with caplog.at_level("WARNING", logger="kvtier.watchdog"):
         for s in make(Blocking(), loop_stall_warn_s=0.2):
             assert s.complete(PROMPT).status_code == 200
-            deadline = time.monotonic() + 5
-            while (s.metric("kvtier_router_event_loop_stall_seconds_count") < 1
-                   and time.monotonic() < deadline):
-                time.sleep(0.05)
-            assert s.metric("kvtier_router_event_loop_stall_seconds_count") >= 1
+            assert wait_until(  # the lambda is polled here, within the iteration
+                lambda: s.metric("kvtier_router_event_loop_stall_seconds_count") >= 1,  # noqa: B023
+                5, 0.05)
             assert s.metric("kvtier_router_event_loop_stall_seconds_sum") >= 0.4
     during = [r.getMessage() for r in caplog.records if "has not turned" in r.getMessage()]
     assert during and "time.sleep(0.6)" in during[0], during

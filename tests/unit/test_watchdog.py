@@ -8,6 +8,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -18,20 +19,23 @@ def _stuck_in_sync_call(seconds: float) -> None:
     time.sleep(seconds)  # the line a report must name
 
 
-async def _watched(block_s: float, idle_s: float, stalls: list[float]) -> None:
+async def _watched(stalls: list[float], *blocks: Callable[[], None],
+                   idle_s: float = 0.05) -> None:
+    """Watch a loop that turns for ``idle_s``, then runs each of ``blocks`` on the loop with
+    0.1 s of turning after each (the heartbeat turns again)."""
     dog = LoopWatchdog("test", threshold_s=0.2, interval_s=0.02, on_stall=stalls.append)
     dog.start()
     await asyncio.sleep(idle_s)
-    if block_s:
-        _stuck_in_sync_call(block_s)
-    await asyncio.sleep(0.1)  # the heartbeat turns again
+    for block in blocks:
+        block()
+        await asyncio.sleep(0.1)
     await dog.stop()
 
 
 def test_a_blocked_loop_is_reported_while_blocked_with_its_stack_then_measured(caplog):
     stalls: list[float] = []
     with caplog.at_level(logging.WARNING, logger="kvtier.watchdog"):
-        asyncio.run(_watched(0.8, 0.1, stalls))
+        asyncio.run(_watched(stalls, lambda: _stuck_in_sync_call(0.8), idle_s=0.1))
     during = [r.getMessage() for r in caplog.records if "has not turned" in r.getMessage()]
     assert len(during) == 1, during  # once per stall, not every check
     assert "_stuck_in_sync_call" in during[0] and "time.sleep(seconds)" in during[0]
@@ -47,16 +51,8 @@ def test_a_stall_that_computes_is_told_apart_from_one_that_waits(caplog):
         while time.thread_time() < end:
             pass
 
-    async def run() -> None:
-        dog = LoopWatchdog("test", threshold_s=0.2, interval_s=0.02)
-        dog.start()
-        await asyncio.sleep(0.05)
-        spin(0.5)
-        await asyncio.sleep(0.1)
-        await dog.stop()
-
     with caplog.at_level(logging.WARNING, logger="kvtier.watchdog"):
-        asyncio.run(run())
+        asyncio.run(_watched([], lambda: spin(0.5)))
     after = [r.getMessage() for r in caplog.records if "stood still" in r.getMessage()]
     assert len(after) == 1, after
     # The spin used 0.5 s of its thread's CPU whatever else the machine ran (the words depend
@@ -68,24 +64,14 @@ def test_a_stall_that_computes_is_told_apart_from_one_that_waits(caplog):
 def test_a_turning_loop_is_never_reported(caplog):
     stalls: list[float] = []
     with caplog.at_level(logging.WARNING, logger="kvtier.watchdog"):
-        asyncio.run(_watched(0.0, 0.6, stalls))
+        asyncio.run(_watched(stalls, idle_s=0.7))
     assert stalls == [] and not caplog.records
 
 
 def test_two_stalls_are_two_reports(caplog):
     stalls: list[float] = []
-
-    async def twice() -> None:
-        dog = LoopWatchdog("test", threshold_s=0.2, interval_s=0.02, on_stall=stalls.append)
-        dog.start()
-        await asyncio.sleep(0.05)
-        for _ in range(2):
-            _stuck_in_sync_call(0.5)
-            await asyncio.sleep(0.1)
-        await dog.stop()
-
     with caplog.at_level(logging.WARNING, logger="kvtier.watchdog"):
-        asyncio.run(twice())
+        asyncio.run(_watched(stalls, *[lambda: _stuck_in_sync_call(0.5)] * 2))
     assert len(stalls) == 2
     assert sum("has not turned" in r.getMessage() for r in caplog.records) == 2
 
