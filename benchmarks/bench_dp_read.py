@@ -61,7 +61,7 @@ class BusyDecode:
         """A BusyDecode when ``tokens`` > 0, else a context that does nothing."""
         return cls(url, model, tokens) if tokens else contextlib.nullcontext()
 
-    def __enter__(self) -> "BusyDecode":
+    def __enter__(self) -> BusyDecode:
         def go() -> None:
             body = {"model": self.model, "prompt": ids(99, 128), "max_tokens": self.tokens,
                     "temperature": 0, "ignore_eos": True}

@@ -74,7 +74,8 @@ def _paired(fns: dict, reps: int, warmup: int = 2) -> dict[str, float]:
 
 def bench_store_load(g: Geometry, blocks: int, reps: int, scattered: bool,
                      device: str = "cpu") -> dict:
-    from kvtier.connectors.tier_worker import LoadOp, StoreOp, TierWorker
+    from kvtier.tier.ops import LoadOp, StoreOp
+    from kvtier.tier.worker import TierWorker
 
     num_blocks = blocks * 4
     names = tuple(f"layer.{i}" for i in range(g.layers))

@@ -42,6 +42,8 @@ import statistics
 import sys
 import time
 
+from kvtier.hashing import RequestKeyHasher
+from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
 from kvtier.indexer.config import IndexerConfig
 from kvtier.indexer.fastdecode import decode_payload
 from kvtier.indexer.index import MemoryIndex
@@ -49,9 +51,6 @@ from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
 from kvtier.indexer.keys import python_request_keys, request_keys
 from kvtier.indexer.native import NATIVE
 from kvtier.indexer.service import IndexerService
-
-from kvtier.hashing import RequestKeyHasher
-from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
 from kvtier.wire import kv_events as ev
 
 BS = 32

@@ -2,7 +2,7 @@
 
 kvtier's connectors subclass vLLM's public connector classes and otherwise use their public
 methods; a few things only exist as underscore names or moved between releases. Each is
-reached through one function here, and ``tests/unit/test_vllm_compat.py`` (the canary)
+reached through one function here, and ``tests/unit/test_connectors_compat.py`` (the canary)
 checks every one against the installed vLLM, so an upgrade that renames or removes one fails
 that test by name instead of failing inside a serving engine.
 

@@ -49,10 +49,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvtier.connectors import compat
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
+from kvtier.connectors import compat
 from kvtier.cost.config import CostConfig
 from kvtier.cost.decide import Decision, Offer, decide
 
@@ -64,15 +64,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(kv_cache_config: "KVCacheConfig", block_size: int) -> int:
+def kv_bytes_per_token(kv_cache_config: KVCacheConfig, block_size: int) -> int:
     per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
                     for g in kv_cache_config.kv_cache_groups)
     return max(1, per_block // block_size)
 
 
 class CostAwareConnector(MultiConnector):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
         ktc = vllm_config.kv_transfer_config
         if (not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
                 and not MultiConnector.all_children_support_hma(ktc)):
@@ -93,7 +93,7 @@ class CostAwareConnector(MultiConnector):
             kv_bytes_per_token(kv_cache_config, vllm_config.cache_config.block_size))
         self.last_choice: Decision | None = None  # for logs and tests of the adapter
 
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         offers: list[tuple[int, bool]] = []
         for c in self.sub_connectors:

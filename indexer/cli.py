@@ -16,8 +16,9 @@ import argparse
 import logging
 import sys
 
-from kvtier.indexer.config import IndexerConfig, PodSpec
 from pydantic import ValidationError
+
+from kvtier.indexer.config import IndexerConfig, PodSpec
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvtier.ids import ModelName, PodId
+from kvtier.reuse_gate import DEFAULT_MIN_CACHED_TOKEN_DELTA
 
 _ENDPOINT = re.compile(r"^tcp://[^:/\s]+:\d{1,5}$")
 _HOSTPORT = re.compile(r"^[^:/\s]+:\d{1,5}$")
@@ -148,7 +149,8 @@ class IndexerConfig(BaseModel):
     max_keys: int = Field(2_000_000, gt=0)
     max_blocks_per_pod: int = Field(1_000_000, gt=0)
     max_lookup_tokens: int = Field(1 << 20, gt=0)
-    min_cached_token_delta: int = Field(1, ge=0)
+    # the one reuse gate's threshold (kvtier.reuse_gate), for /v1/source callers that name none
+    min_cached_token_delta: int = Field(DEFAULT_MIN_CACHED_TOKEN_DELTA, ge=0)
     stale_after_s: float = Field(10.0, gt=0)  # all streams down that long: not a source
     apply_workers: int = Field(2, ge=1, le=64)
     replay_timeout_s: float = Field(3.0, gt=0)

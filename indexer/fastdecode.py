@@ -23,9 +23,9 @@ from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, cast, overload
 
 import msgspec
-from kvtier.indexer.native import NATIVE
 
 from kvtier.ids import EngineBlockHash
+from kvtier.indexer.native import NATIVE
 from kvtier.wire import kv_events as kv
 
 _U64 = int   # msgpack ints are in [-2**63, 2**64); negatives are folded as kv_events does

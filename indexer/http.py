@@ -31,13 +31,13 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from kvtier.indexer.config import PodSpec
-from kvtier.indexer.index import BackendUnavailable
-from kvtier.indexer.service import IndexerService, InputError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.ids import ModelName, PodId
+from kvtier.indexer.config import PodSpec
+from kvtier.indexer.index import BackendUnavailable
+from kvtier.indexer.service import IndexerService, InputError
 from kvtier.wire.indexer_api import AddPodRequest, LookupRequest, RouteRequest, SourceRequest
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvtier.indexer.native import NATIVE
-
 from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
+from kvtier.indexer.native import NATIVE
 
 Holder = tuple[PodId, Tier]
 _MAX_PENDING_TOUCH = 256    # lookups whose LRU refresh waits for the next store

@@ -21,11 +21,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.indexer.index import KVIndex
-from kvtier.indexer.keys import block_keys
-
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import ModelName, PodId, RequestKey, Tier
+from kvtier.indexer.index import KVIndex
+from kvtier.indexer.keys import block_keys
 from kvtier.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -1,14 +1,12 @@
 """Request keys of a prompt, fast: the same keys as ``kvtier.hashing.RequestKeyHasher.keys``.
 
 The indexer hashes every prompt it is asked about and every block it is told
-of, so this is its hottest loop. Same definition, bit for bit (tested against
-``RequestKeyHasher`` on random input): key(i) = xxh3_64(key(i-1) as 8 bytes
+of, so this is its hottest loop. The chain is written once, in
+``kvtier.hashing.chain_keys``: key(i) = xxh3_64(key(i-1) as 8 bytes
 little-endian + block i's tokens as uint32 little-endian, seed), key(-1) = the
-hasher's namespace root or the given parent. Faster by doing less per block:
-no NewType call, no per-call attribute lookups, ``int.to_bytes`` bound once
-(128k tokens: 1.7 ms instead of 2.0-3.0 ms on the benchmark machine; see
-benchmarks/README.md). With the compiled helper built
-(``kvtier.indexer.native``), lists and tuples are hashed in C: same keys.
+hasher's namespace root or the given parent. With the compiled helper built
+(``kvtier.indexer.native``), lists and tuples are hashed in C: the same keys
+(tested against ``RequestKeyHasher`` on random input).
 
 Threading model: pure functions.
 """
@@ -19,13 +17,11 @@ from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
-import xxhash
 
+from kvtier.hashing import RequestKeyHasher, chain_keys
+from kvtier.ids import RequestKey
 from kvtier.indexer.fastdecode import RawTokens
 from kvtier.indexer.native import NATIVE
-
-from kvtier.hashing import RequestKeyHasher, pack_u32le
-from kvtier.ids import RequestKey
 
 _native_keys = getattr(NATIVE, "request_keys", None)
 _native_msgpack_keys = getattr(NATIVE, "request_keys_msgpack", None)
@@ -59,19 +55,6 @@ def block_keys(hasher: RequestKeyHasher, tokens: Sequence[int] | np.ndarray,
 
 def python_request_keys(hasher: RequestKeyHasher, tokens: Sequence[int] | np.ndarray,
                         prev: int) -> list[RequestKey]:
-    """The pure-Python path (``prev``: the parent key or the hasher's root)."""
-    bs = hasher.block_size
-    n = len(tokens) // bs
-    if n == 0:
-        return []
-    raw = pack_u32le(tokens[: n * bs])
-    step = bs * 4
-    h = xxhash.xxh3_64_intdigest
-    seed = hasher.seed
-    to_bytes = int.to_bytes
-    out: list[int] = []
-    append = out.append
-    for off in range(0, n * step, step):
-        prev = h(to_bytes(prev, 8, "little") + raw[off: off + step], seed)
-        append(prev)
-    return cast(list[RequestKey], out)   # RequestKey is an int NewType: no copy needed
+    """The pure-Python path (``prev``: the parent key or the hasher's root): the chain of
+    ``kvtier.hashing.chain_keys``, which ``RequestKeyHasher.keys`` runs too."""
+    return chain_keys(tokens, hasher.block_size, hasher.seed, prev)

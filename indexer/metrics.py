@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvtier.indexer.index import BackendUnavailable
-
 from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
+from kvtier.indexer.index import BackendUnavailable
 
 if TYPE_CHECKING:
     from kvtier.indexer.index import Holder, IndexStats, KVIndex, MappingEntry

@@ -28,6 +28,8 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+
+from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
 from kvtier.indexer.index import (
     TIER_BIT,
     TIERS_BY_BIT,
@@ -36,8 +38,6 @@ from kvtier.indexer.index import (
     IndexStats,
     MappingEntry,
 )
-
-from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
 
 _TCHAR = {Tier.GPU: "G", Tier.CPU: "C"}
 _CHAR_TIER = {"G": Tier.GPU, "C": Tier.CPU}

@@ -28,10 +28,9 @@ import threading
 import uuid
 from typing import Protocol, runtime_checkable
 
+from kvtier.ids import PodId
 from kvtier.indexer.index import BackendUnavailable
 from kvtier.indexer.subscriber import Subscriber
-
-from kvtier.ids import PodId
 
 log = logging.getLogger(__name__)
 

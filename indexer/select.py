@@ -8,8 +8,11 @@ walk of the index, and the rules below are testable without sockets.
   tier) the longest prefix any of its streams holds.
 - **Source** (after llm-d's P2P pull rule): only CPU-tier copies can be
   pulled; a candidate is another pod than the target, has a P2P address and
-  is *offered* (not stale: see ``kvtier.indexer.subscriber``); it must hold
-  at least ``min_delta`` more tokens than the target holds on any tier.
+  is *offered* (not stale: see ``kvtier.indexer.subscriber``); it must gain
+  enough over what the target holds on any tier, by the one reuse gate
+  (``kvtier.reuse_gate.gains_enough`` with ``min_delta``), the rule the router
+  and the engine's host tier apply too. Without a target the best candidate
+  is returned ungated: the caller (the router) gates it for the pod it picks.
   Among candidates, those within one block of the longest are equally good
   and the least loaded of them wins (``loads``: in-flight requests per pod,
   absent = 0); then the longest, then the pod name. Equal input, equal answer.
@@ -22,12 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from kvtier.ids import PodId, Tier
 from kvtier.indexer.config import STREAM_SEP, pod_of
 from kvtier.indexer.index import Holder
-
-from kvtier.ids import PodId, Tier
+from kvtier.reuse_gate import gains_enough
 from kvtier.wire.indexer_api import Match, Source
-
 
 _TIER_VALUE = {t: t.value for t in Tier}
 
@@ -83,7 +85,9 @@ def choose_source(merged: Mapping[Holder, int], block_size: int, target_pod: Pod
     near = [c for c in cands if c[0] >= best - block_size]
     tokens, pod, (host, port) = min(near, key=lambda c: (load.get(c[1], 0), -c[0], c[1]))
     delta = tokens - target
-    if delta < min_delta:
+    # Without a target (``/v1/route`` as the router asks it) this is a candidate: the router
+    # gates it, once, against the prefill it picks. With one, the same gate answers here.
+    if target_pod is not None and not gains_enough(delta, min_delta):
         return SourceChoice(None, target, delta)
     return SourceChoice(Source(pod=pod, tier="CPU", matched_tokens=tokens, p2p_host=host,
                                p2p_port=port), target, delta)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self, TypedDict
 
+from kvtier.ids import ModelName, PodId, RequestKey
 from kvtier.indexer.config import IndexerConfig, PodSpec, number_streams
 from kvtier.indexer.index import BackendUnavailable, Holder, KVIndex, MemoryIndex, restore_entries
 from kvtier.indexer.ingest import EventApplier, HasherCache
@@ -36,8 +37,6 @@ from kvtier.indexer.replicas import ReplicaSync, SharedIndex
 from kvtier.indexer.select import SourceChoice, choose_source, matches, merge_streams
 from kvtier.indexer.snapshot import load_snapshot, write_snapshot
 from kvtier.indexer.subscriber import PodState, Subscriber
-
-from kvtier.ids import ModelName, PodId, RequestKey
 from kvtier.wire.indexer_api import LookupResponse, RouteResponse, SourceResponse
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ class InputError(ValueError):
         self.status = status
 
 
-__all__ = ["BackendUnavailable", "IndexerService", "InputError", "make_index", "wait_until"]
+__all__ = ["BackendUnavailable", "IndexerService", "InputError", "make_index"]
 
 
 def make_index(cfg: IndexerConfig) -> KVIndex:
@@ -210,8 +209,9 @@ class IndexerService:
         """Wait until every pod's event PUB is connected (TCP) plus ``settle_s`` for the
         subscription to travel: a PUB drops what it publishes before a SUB has joined, so a
         caller about to drive traffic should wait here first. False (and a warning) on timeout."""
-        if wait_until(lambda: all(st.connected for st in list(self.subscriber.streams.values())),
-                      timeout_s, 0.05):
+        def connected() -> bool:
+            return all(st.connected for st in list(self.subscriber.streams.values()))
+        if _wait_until(connected, timeout_s, 0.05):
             time.sleep(settle_s)
             return True
         missing = sorted(n for n, st in list(self.subscriber.streams.items())
@@ -337,8 +337,9 @@ class IndexerService:
                 log.exception("snapshot failed")
 
 
-def wait_until(pred: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
-    """Poll ``pred`` until true or ``timeout``; for tests and the CLI."""
+def _wait_until(pred: Callable[[], object], timeout: float = 10.0,
+                interval: float = 0.02) -> bool:
+    """Poll ``pred`` until true or ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():

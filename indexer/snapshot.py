@@ -21,10 +21,10 @@ import os
 from pathlib import Path
 
 import msgspec
-from kvtier.indexer.config import IndexerConfig
-from kvtier.indexer.index import TIER_BIT, TIERS_BY_BIT, MappingEntry
 
 from kvtier.ids import EngineBlockHash, PodId, RequestKey
+from kvtier.indexer.config import IndexerConfig
+from kvtier.indexer.index import TIER_BIT, TIERS_BY_BIT, MappingEntry
 
 log = logging.getLogger(__name__)
 VERSION = 1

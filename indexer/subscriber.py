@@ -58,12 +58,12 @@ from enum import Enum
 from typing import Literal
 
 import zmq
+
+from kvtier.ids import ModelName, PodId
 from kvtier.indexer.config import PodSpec
 from kvtier.indexer.fastdecode import decode_frames
 from kvtier.indexer.index import BackendUnavailable
 from kvtier.indexer.ingest import EventApplier, PodCounters
-
-from kvtier.ids import ModelName, PodId
 from kvtier.wire.kv_events import END_SEQ, EventBatch, MalformedFrame, decode_seq
 
 log = logging.getLogger(__name__)

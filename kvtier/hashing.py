@@ -26,6 +26,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -92,34 +93,13 @@ class RequestKeyHasher:
     def root(self) -> RequestKey:
         return RequestKey(self._root)
 
-    def chain(self, parent: RequestKey | None, block_tokens: Sequence[int]) -> RequestKey:
-        """Key of one block given its parent's key (None for the first block)."""
-        arr = np.asarray(block_tokens, dtype="<u4")
-        prev = self._root if parent is None else int(parent)
-        return RequestKey(
-            xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + arr.tobytes(), self.seed)
-        )
-
     def keys(
         self, tokens: Sequence[int] | np.ndarray, parent: RequestKey | None = None
     ) -> list[RequestKey]:
         """Keys of every full block of ``tokens``, in order, chained after
         ``parent`` (None: from the namespace root)."""
-        bs = self.block_size
-        n = len(tokens) // bs
-        if n == 0:
-            return []
-        raw = pack_u32le(tokens[: n * bs])
-        step = bs * 4
-        h = xxhash.xxh3_64_intdigest
-        seed = self.seed
         prev = self._root if parent is None else int(parent)
-        out: list[RequestKey] = []
-        append = out.append
-        for off in range(0, n * step, step):
-            prev = h(prev.to_bytes(8, "little") + raw[off: off + step], seed)
-            append(RequestKey(prev))
-        return out
+        return chain_keys(tokens, self.block_size, self.seed, prev)
 
     def extend(self, parent: RequestKey | None, tokens: Sequence[int]) -> list[RequestKey]:
         """Keys for full blocks of ``tokens`` continuing after ``parent``."""
@@ -141,6 +121,30 @@ def pack_u32le(tokens: Sequence[int] | np.ndarray) -> bytes:
     if _NATIVE_U32:
         return array("I", tokens).tobytes()
     return np.asarray(tokens, dtype="<u4").tobytes()  # pragma: no cover - big-endian hosts
+
+
+def chain_keys(tokens: Sequence[int] | np.ndarray, block_size: int, seed: int,
+               prev: int) -> list[RequestKey]:
+    """The key chain itself: keys of every full block of ``tokens`` after the key ``prev`` (the
+    parent's, or a hasher's namespace root). ``RequestKeyHasher.keys`` and the indexer's
+    pure-Python path (``kvtier.indexer.keys``) both call this; the indexer's C helper
+    computes the same chain and is tested against it.
+
+    The hottest loop of the indexer: per block only one ``bytes`` concatenation and one xxh3
+    call (``int.to_bytes`` bound once, no ``RequestKey`` call: it is an int ``NewType``)."""
+    n = len(tokens) // block_size
+    if n == 0:
+        return []
+    raw = pack_u32le(tokens[: n * block_size])
+    step = block_size * 4
+    h = xxhash.xxh3_64_intdigest
+    to_bytes = int.to_bytes
+    out: list[int] = []
+    append = out.append
+    for off in range(0, n * step, step):
+        prev = h(to_bytes(prev, 8, "little") + raw[off: off + step], seed)
+        append(prev)
+    return cast(list[RequestKey], out)
 
 
 def token_digest(tokens: Sequence[int]) -> str:

@@ -79,7 +79,7 @@ class NixlParams(BaseModel):
                       self.remote_port)
         )
 
-    def trimmed(self, num_tokens: int, block_size: int) -> "NixlParams | None":
+    def trimmed(self, num_tokens: int, block_size: int) -> NixlParams | None:
         """Restrict to the first ``num_tokens`` (aligned down to blocks).
 
         Used when only a prefix of the retained KV is proven to match the new
@@ -106,7 +106,7 @@ class KVTransferParams(BaseModel):
     @classmethod
     def prefill_request(
         cls, reuse: NixlParams | None = None, source: RemoteKVSource | None = None
-    ) -> "KVTransferParams":
+    ) -> KVTransferParams:
         """Params for a prefill leg: produce KV for a remote decode, optionally
         reading a previous turn from a decode node and/or a peer host tier."""
         if reuse is not None:
@@ -116,7 +116,7 @@ class KVTransferParams(BaseModel):
         return cls(nixl=nixl, remote_kv_source=source)
 
     @classmethod
-    def from_wire(cls, raw: Any) -> "KVTransferParams | None":
+    def from_wire(cls, raw: Any) -> KVTransferParams | None:
         """Parse an engine's dict; None (not an exception) when absent or malformed."""
         if not isinstance(raw, dict):
             return None

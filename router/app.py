@@ -46,6 +46,10 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import Route
+
+from kvtier.ids import ConversationId
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Reply, Router, tenant_of
 from kvtier.router.legs import EngineClientError, UpstreamError
@@ -54,17 +58,16 @@ from kvtier.router.requests import (
     MAX_CONVERSATION_ID_LEN,
     BadRequest,
     Endpoint,
+    Inbound,
     forward_headers,
     parse_inbound,
 )
 from kvtier.router.responses import add_routes as add_responses_routes
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.routing import Route
-
-from kvtier.ids import ConversationId
 from kvtier.wire.reuse_headers import ReuseReport
 
 log = logging.getLogger("kvtier.router")
+
+_UNREAD = object()  # serve(): the body is still to be read
 
 
 def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None,
@@ -84,55 +87,77 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
     app = FastAPI(title="kvtier router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.router = router
-    keys = tuple(config.api_keys)
+    api = _Api(router)
+    # Plain Starlette routes: the hot path needs no FastAPI dependency solving.
+    routes = app.router.routes
+    routes.append(Route("/v1/chat/completions", api.chat, methods=["POST"]))
+    routes.append(Route("/v1/completions", api.completions, methods=["POST"]))
+    routes.append(Route("/v1/conversations/{conversation_id:path}", api.close_conversation,
+                        methods=["DELETE"]))
+    add_responses_routes(app, router, api.authorize, api.error, _read_body, api.serve)
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/healthz", api.healthz, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    return app
 
-    def authorize(request: Request) -> str | None:
+
+class _Api:
+    """The app's handlers over one ``Router``."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.cfg = router.cfg
+        self._keys = tuple(router.cfg.api_keys)
+
+    def authorize(self, request: Request) -> str | None:
         """Tenant of the caller; None if auth is on and the caller has no valid key."""
-        if not keys:
+        if not self._keys:
             return ""
         auth = request.headers.get("authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if token and any(secrets.compare_digest(token, k) for k in keys):
+        if token and any(secrets.compare_digest(token, k) for k in self._keys):
             return tenant_of(token)
         return None
 
+    @staticmethod
     def error(status: int, message: str, kind: str = "invalid_request_error",
               reuse: ReuseReport | None = None) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
                             status_code=status, headers=_reuse_headers(reuse))
 
-    log_requests = config.log_requests
-    engine_key = config.engine_api_key
+    def _unauthorized(self) -> JSONResponse:
+        return self.error(401, "missing or invalid bearer token", "authentication_error")
 
-    async def serve(request: Request, endpoint: Endpoint, raw: Any = _UNREAD,
+    async def chat(self, request: Request) -> Response:
+        return await self.serve(request, Endpoint.CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.serve(request, Endpoint.COMPLETIONS)
+
+    async def serve(self, request: Request, endpoint: Endpoint, raw: Any = _UNREAD,
                     after: Callable[[Reply], None] | None = None) -> Response:
         """One request through the P/D flow. ``raw``: its body, when the caller has already
         read and decoded it; ``after``: told of the reply before it is sent."""
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex[:24]
-        m = router.metrics
-        tenant = authorize(request)
+        m = self.router.metrics
+        tenant = self.authorize(request)
         if tenant is None:
             m.requests.labels(endpoint.value, "401").inc()
-            return error(401, "missing or invalid bearer token", "authentication_error")
+            return self._unauthorized()
         try:
             if raw is _UNREAD:
-                raw_bytes = await _read_body(request, config.max_body_bytes)
-                try:
-                    raw = json.loads(raw_bytes)
-                except (ValueError, RecursionError):
-                    raise BadRequest("request body is not valid JSON") from None
+                raw = _json_body(await _read_body(request, self.cfg.max_body_bytes))
             headers = {k.lower(): v for k, v in request.headers.items()}
             inb = parse_inbound(endpoint, raw, headers)
         except BadRequest as e:
             m.bad_requests.inc()
             m.requests.labels(endpoint.value, str(e.status)).inc()
             return JSONResponse(e.body(), status_code=e.status)
-        fwd = forward_headers(headers, rid, engine_key)
-        stream_label = "true" if inb.stream else "false"
+        fwd = forward_headers(headers, rid, self.cfg.engine_api_key)
         gone = _Disconnect(request)
         try:
-            reply: Reply | None = await router.handle(inb, tenant, fwd)
+            reply: Reply | None = await self.router.handle(inb, tenant, fwd)
         except asyncio.CancelledError:
             if not gone.left():
                 raise
@@ -147,8 +172,8 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             m.requests.labels(endpoint.value, "502").inc()
             log.error("request failed", extra={"request_id": rid,
                       "conversation_id": inb.conversation, "error": str(e)})
-            return error(502, f"no engine could serve the request: {e}", "upstream_error",
-                         e.reuse)
+            return self.error(502, f"no engine could serve the request: {e}",
+                              "upstream_error", e.reuse)
         except BaseException:
             gone.close()
             raise
@@ -156,15 +181,15 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
             m.client_disconnects.inc()
             m.requests.labels(endpoint.value, "499").inc()
             return Response(status_code=499)
-        fields: dict[str, Any] | None = None
-        if log_requests and log.isEnabledFor(logging.INFO):
-            fields = {"request_id": rid, "conversation_id": inb.conversation,
-                      "endpoint": endpoint.value, "stream": inb.stream, **reply.info,
-                      "reuse_path": reply.reuse.path.value, "reuse_tokens": reply.reuse.tokens,
-                      "outcome": reply.reuse.outcome.value}
-            client_rid = headers.get("x-request-id")
-            if client_rid:
-                fields["client_request_id"] = client_rid[:128]
+        return self._answer(reply, inb, endpoint, rid, headers, gone, t0, after)
+
+    def _answer(self, reply: Reply, inb: Inbound, endpoint: Endpoint, rid: str,
+                headers: dict[str, str], gone: _Disconnect, t0: float,
+                after: Callable[[Reply], None] | None) -> Response:
+        """The reply as the client gets it, timed and logged (a stream: when it ends)."""
+        m = self.router.metrics
+        stream_label = "true" if inb.stream else "false"
+        fields = self._served_fields(reply, inb, endpoint, rid, headers)
         out_headers = {**_reuse_headers(reply.reuse), "x-request-id": rid}
         if after is not None:
             after(reply)
@@ -180,71 +205,70 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
         return _SSEResponse(_timed(reply.stream, m, endpoint, stream_label, t0, fields),
                             gone, headers={"cache-control": "no-cache", **out_headers})
 
-    async def chat(request: Request) -> Response:
-        return await serve(request, Endpoint.CHAT)
+    def _served_fields(self, reply: Reply, inb: Inbound, endpoint: Endpoint, rid: str,
+                       headers: dict[str, str]) -> dict[str, object] | None:
+        """The ``served`` line's fields, taken when the answer starts; None: not logged."""
+        if not (self.cfg.log_requests and log.isEnabledFor(logging.INFO)):
+            return None
+        fields: dict[str, object] = {
+            "request_id": rid, "conversation_id": inb.conversation,
+            "endpoint": endpoint.value, "stream": inb.stream, **reply.log.fields(),
+            "reuse_path": reply.reuse.path.value, "reuse_tokens": reply.reuse.tokens,
+            "outcome": reply.reuse.outcome.value}
+        client_rid = headers.get("x-request-id")
+        if client_rid:
+            fields["client_request_id"] = client_rid[:128]
+        return fields
 
-    async def completions(request: Request) -> Response:
-        return await serve(request, Endpoint.COMPLETIONS)
-
-    # Plain Starlette routes: the hot path needs no FastAPI dependency solving.
-    app.router.routes.append(Route("/v1/chat/completions", chat, methods=["POST"]))
-    app.router.routes.append(Route("/v1/completions", completions, methods=["POST"]))
-
-    async def close_conversation(request: Request) -> Response:
+    async def close_conversation(self, request: Request) -> Response:
         """Forget a conversation's retained turn and release its decode blocks now (OpenAI's
         ``DELETE /v1/conversations/{id}`` shape). Only the tenant that made it can close it;
         anyone else gets the same 404 as for an unknown id."""
-        tenant = authorize(request)
+        tenant = self.authorize(request)
         if tenant is None:
-            return error(401, "missing or invalid bearer token", "authentication_error")
+            return self._unauthorized()
         conv = request.path_params["conversation_id"]
         if not conv or len(conv) > MAX_CONVERSATION_ID_LEN:
-            return error(400, "invalid conversation id")
-        if not await router.close(tenant, ConversationId(conv)):
-            return error(404, f"no retained conversation {conv!r}", "not_found_error")
+            return self.error(400, "invalid conversation id")
+        if not await self.router.close(tenant, ConversationId(conv)):
+            return self.error(404, f"no retained conversation {conv!r}", "not_found_error")
         log.info("conversation closed", extra={"conversation_id": conv})
         return JSONResponse({"id": conv, "object": "conversation.deleted", "deleted": True})
 
-    app.router.routes.append(Route("/v1/conversations/{conversation_id:path}",
-                                   close_conversation, methods=["DELETE"]))
-
-    add_responses_routes(app, router, authorize, error, _read_body, serve)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        if authorize(request) is None:
-            return error(401, "missing or invalid bearer token", "authentication_error")
-        for inst in [*router.pool.decode, *router.pool.prefill]:
+    async def models(self, request: Request) -> Response:
+        if self.authorize(request) is None:
+            return self._unauthorized()
+        pool = self.router.pool
+        for inst in [*pool.decode, *pool.prefill]:
             if not inst.healthy:
                 continue
             try:
-                r = await router.client.get(inst.url + "/v1/models", timeout=5.0)
+                r = await self.router.client.get(inst.url + "/v1/models", timeout=5.0)
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:
                 return JSONResponse(r.json())
-        return error(503, "no healthy engine to list models", "upstream_error")
+        return self.error(503, "no healthy engine to list models", "upstream_error")
 
-    @app.get("/healthz")
-    async def healthz() -> Response:
+    async def healthz(self) -> Response:
         """200 while a decode instance is admitted (the router can answer); ``down`` names
         each dependency that is not answering (decode, prefill, store, indexer): without
         the store or the indexer the router serves, without reuse or KV-aware choice."""
+        router, indexer = self.router, self.cfg.indexer
         pool = router.pool
         inst = {i.name: {"role": i.cfg.role.value, "url": i.url, "healthy": i.healthy,
                          "ejected": i.ejected, "in_flight": i.in_flight} for i in pool.all()}
         store = router.store
         stats = await store.astats()
-        deps: dict[str, Any] = {
+        deps = {
             "store": {"backend": store.name, "ok": store.ok, "error": store.error},
-            "indexer": ({"url": config.indexer, "ok": router.legs.indexer_ok}
-                        if config.indexer else None),
+            "indexer": ({"url": indexer, "ok": router.legs.indexer_ok} if indexer else None),
         }
         down = [name for name, ok in (
             ("decode", any(i.healthy for i in pool.decode)),
             ("prefill", not pool.prefill or any(i.healthy for i in pool.prefill)),
             ("store", store.ok),
-            ("indexer", config.indexer is None or router.legs.indexer_ok is not False),
+            ("indexer", indexer is None or router.legs.indexer_ok is not False),
         ) if not ok]
         ok = "decode" not in down
         return JSONResponse({"status": "ok" if not down else "degraded", "down": down,
@@ -252,16 +276,17 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
                              "conversations": stats.entries},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        await router.refresh_gauges()
-        return Response(generate_latest(router.metrics.registry),
+    async def metrics(self) -> Response:
+        await self.router.refresh_gauges()
+        return Response(generate_latest(self.router.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    return app
 
-
-_UNREAD = object()  # serve(): the body is still to be read
+def _json_body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BadRequest("request body is not valid JSON") from None
 
 
 def _reuse_headers(reuse: ReuseReport | None) -> dict[str, str]:
@@ -367,7 +392,7 @@ class _SSEResponse(Response):
 
 async def _timed(stream: AsyncIterator[bytes], m: RouterMetrics, endpoint: Endpoint,
                  stream_label: str, t0: float,
-                 fields: dict[str, Any] | None) -> AsyncIterator[bytes]:
+                 fields: dict[str, object] | None) -> AsyncIterator[bytes]:
     first = True
     status = "200"
     try:

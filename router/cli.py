@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the router's modules load only when `kvtier router` runs
     from fastapi import FastAPI
+
     from kvtier.router.config import RouterConfig
 
 _CONFIG_ENV = "KVTIER_ROUTER_CONFIG_JSON"  # the config handed to --workers processes
@@ -149,8 +150,9 @@ def worker_app() -> FastAPI:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    from kvtier.router.app import create_app
     from pydantic import ValidationError
+
+    from kvtier.router.app import create_app
 
     try:
         cfg = config_from_args(args)

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvtier.cost.config import resolve_config_path
 from kvtier.cost.model import CostModel
 from kvtier.ids import PodId, Role
+from kvtier.reuse_gate import DEFAULT_MIN_CACHED_TOKEN_DELTA
 
 _ALIASES = {
     "prefill_urls": "prefill",
@@ -118,7 +119,15 @@ class RouterConfig(BaseModel):
     # A request naming no conversation continues the one whose retained tokens its prompt
     # provably starts with (same tenant); every P/D turn is retained for that.
     implicit_sessions: bool = True
-    min_cached_token_delta: int = Field(0, ge=0)
+    # The one reuse gate (kvtier.reuse_gate.gains_enough, one default): a peer's host copy
+    # is pulled only when it holds at least this many tokens more than the chosen prefill
+    # already holds, on any tier; 0 means any gain (a pull of nothing never pays: the floor
+    # is one token). The router gates here, on the indexer's best candidate for the prefill
+    # it chose (indexer_client.Route.source_for); /v1/route returns candidates ungated by
+    # this value. The same function runs in the indexer for /v1/source callers that name a
+    # target (kvtier.indexer.select) and, defensively, in the engine's host tier before it
+    # starts a pull (kvtier.tier.scheduler, HostTierConfig.min_cached_token_delta).
+    min_cached_token_delta: int = Field(DEFAULT_MIN_CACHED_TOKEN_DELTA, ge=0)
     # Decode leases (instances with a ``lease`` endpoint): the lease each retained turn gets
     # (renewed every third of it while held; a dead router frees within one), and how long
     # to hold: "renew" while the store keeps the turn, "adaptive" per conversation and turn

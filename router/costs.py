@@ -17,11 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvtier.router.metrics import RouterMetrics
-
 from kvtier.cost.model import CostModel
 from kvtier.cost.online import OnlineCost
 from kvtier.ids import ReusePath
+from kvtier.router.metrics import RouterMetrics
 
 log = logging.getLogger("kvtier.router.costs")
 

@@ -26,9 +26,9 @@ import logging
 
 import zmq
 import zmq.asyncio
-from kvtier.router.metrics import RouterMetrics
 
 from kvtier.ids import PodId
+from kvtier.router.metrics import RouterMetrics
 from kvtier.wire.params_feed import TOPIC, FinishedParams
 
 log = logging.getLogger("kvtier.router")

@@ -38,11 +38,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
+
+from kvtier.ids import PodId
 from kvtier.router.config import RouterConfig
 from kvtier.router.indexer_client import IndexerClient, Route
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import InstancePool, InstanceState
-from kvtier.router.retry import Failure
+from kvtier.router.retry import Attempts, Failure
 from kvtier.router.sse import first_event_problem
 from kvtier.router.upstream import (
     AiohttpUpstream,
@@ -51,8 +53,6 @@ from kvtier.router.upstream import (
     UpstreamIOError,
     aiohttp_available,
 )
-
-from kvtier.ids import PodId
 from kvtier.wire.reuse_headers import ReuseReport
 
 log = logging.getLogger("kvtier.router")
@@ -219,6 +219,12 @@ class Legs:
         log.warning("upstream %s failed on %s: %s %s", leg, inst.name, kind, detail)
         return UpstreamError(leg, inst, kind, str(detail))
 
+    def retrying(self, run: Attempts, inst: InstanceState, e: UpstreamError) -> None:
+        """A leg of ``run`` failed on ``inst``: count the retry elsewhere (its policy says
+        whether there is one) and keep ``inst`` out of it where the failure says so."""
+        self.metrics.retries.labels(run.policy.leg, "elsewhere").inc()
+        run.failed(inst.name, e.kind)
+
     def midstream(self, leg: str, inst: InstanceState, detail: str) -> None:
         """A relayed stream broke after its first event (seen by the caller)."""
         self._fail(leg, inst, Failure.MIDSTREAM, detail)
@@ -230,12 +236,11 @@ class Legs:
         without an indexer or when it is unavailable."""
         if self.indexer is None:
             return None
-        found = await self.indexer.route(model, ids, self.cfg.min_cached_token_delta, loads)
+        found = await self.indexer.route(model, ids, loads)
         self.indexer_ok = found is not None
         if found is None:
             self.metrics.indexer_unavailable.labels("route").inc()
         return found
-
 
 
 _MAX_FIRST_EVENT = 1 << 20

@@ -5,11 +5,10 @@ Threading model: a pure function; no shared state.
 
 from __future__ import annotations
 
-from kvtier.router.store import ReuseDecision
-
 from kvtier.cost.decide import Offer, decide
 from kvtier.cost.model import CostModel
 from kvtier.ids import PodId, ReusePath
+from kvtier.router.store import ReuseDecision
 from kvtier.transfer_params import NixlParams, RemoteKVSource
 
 

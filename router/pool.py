@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
-from kvtier.router.config import InstanceConfig
 
 from kvtier.ids import PodId
+from kvtier.router.config import InstanceConfig
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 import redis.asyncio as aioredis
-from kvtier.router.store import _CANDIDATES, RetainedKV, StoreStats, block_hashes
 from redis.exceptions import RedisError
 
 from kvtier.ids import ConversationId, PodId
+from kvtier.router.store import _CANDIDATES, RetainedKV, StoreStats, block_hashes
 from kvtier.transfer_params import NixlParams
 
 log = logging.getLogger("kvtier.router")

@@ -1,7 +1,7 @@
 """What the flow hands the app for one request, and the small rules every answer follows.
 
-``Reply`` is one answer (JSON or a stream of SSE bytes) with its log fields and its
-``ReuseReport``; ``Refusal`` names why retained device KV was not read; ``clean_response``
+``Reply`` is one answer (JSON or a stream of SSE bytes) with its log fields (``TurnLog``) and
+its ``ReuseReport``; ``Refusal`` names why retained device KV was not read; ``clean_response``
 takes engine-only fields out of an answer; ``tenant_of`` is the tenant of a bearer token.
 
 Threading model: plain values and pure functions.
@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.router.turn import TurnLog
 from kvtier.wire.reuse_headers import ReuseReport
 
 
@@ -32,7 +33,7 @@ class Reply:
     status: int = 200
     json: Any = None
     stream: AsyncIterator[bytes] | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # log fields
+    log: TurnLog = field(default_factory=TurnLog)
     reuse: ReuseReport = field(default_factory=ReuseReport)
 
 

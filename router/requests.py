@@ -1,5 +1,9 @@
 """Inbound request validation and the bodies of each engine leg.
 
+Every body an engine gets is built here, from the validated request and typed params
+(``KVTransferParams`` for a prefill leg, the prefill's ``NixlParams`` for a decode leg);
+nothing patches a body after it is built.
+
 The router validates only what it relies on (model, messages/prompt shape,
 stream, n, max tokens, conversation id) and passes every other field through
 to vLLM, which validates the rest and answers 4xx itself. Client-supplied
@@ -18,7 +22,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from kvtier.ids import ConversationId
-from kvtier.transfer_params import INBOUND_STRIP_KEYS
+from kvtier.transfer_params import INBOUND_STRIP_KEYS, KVTransferParams, NixlParams
+from kvtier.wire.leases import PARAM_KEY as LEASE_PARAM
 
 MAX_CONVERSATION_ID_LEN = 256
 # Options that mean nothing for a 1-token, non-streaming prefill leg (or that
@@ -255,27 +260,37 @@ def strip_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
 
 
-def prefill_body(inb: Inbound, kv_params: dict[str, Any],
-                 prompt_ids: tuple[int, ...] | None) -> dict[str, Any]:
+def prefill_body(inb: Inbound, kv: KVTransferParams, prompt_ids: tuple[int, ...] | None,
+                 *, want_ids: bool = False) -> dict[str, Any]:
+    """A prefill leg: one token, not streamed, with the router's transfer params ``kv``.
+    ``want_ids``: the engine answers the prompt's token ids (the router keeps them for the
+    next turn when it had none)."""
+    wire = kv.to_wire()
     if inb.endpoint is Endpoint.RESPONSES:
         # vLLM answers the prompt's token ids in ``input_messages`` (the router checks
         # them against the ids it proved reuse with)
         body = {k: v for k, v in inb.body.items() if k not in _RESPONSES_PREFILL_DROP}
         body.update(max_output_tokens=1, stream=False, store=False,
-                    enable_response_messages=True, kv_transfer_params=dict(kv_params))
+                    enable_response_messages=True, kv_transfer_params=wire)
         return body
     body = {k: v for k, v in inb.body.items() if k not in _PREFILL_DROP}
     body["max_tokens"] = 1
     body["stream"] = False
-    kv = dict(kv_params)
-    _attach_ids(inb, body, kv, prompt_ids)
-    body["kv_transfer_params"] = kv
+    _attach_ids(inb, body, wire, prompt_ids)
+    body["kv_transfer_params"] = wire
+    if want_ids:
+        body["return_token_ids"] = True
     return body
 
 
-def decode_body(inb: Inbound, kv_params: dict[str, Any] | None,
-                prompt_ids: tuple[int, ...] | None, *, stream: bool,
-                want_ids: bool) -> dict[str, Any]:
+def decode_body(inb: Inbound, handoff: NixlParams | None, prompt_ids: tuple[int, ...] | None,
+                *, stream: bool, want_ids: bool, lease_s: float | None = None,
+                feed_tag: str | None = None) -> dict[str, Any]:
+    """A decode leg: the client's request with the prefill's ``handoff`` (where to read the
+    prompt's KV). ``want_ids``: the answer carries the prompt's and the generated token ids
+    (non-streamed, to retain the turn); ``lease_s``: the decode node's lease the router asks
+    for; ``feed_tag``: the tag of this leg on the node's params feed (a Responses leg carries
+    it in its request id; other endpoints in the ``X-Request-Id`` header, ``tagged``)."""
     body = copy.copy(inb.body)
     body["stream"] = stream
     if not stream:
@@ -284,18 +299,30 @@ def decode_body(inb: Inbound, kv_params: dict[str, Any] | None,
         body["enable_response_messages"] = True  # the prompt's and the answer's token ids
     elif want_ids:
         body["return_token_ids"] = True
-    kv = dict(kv_params) if kv_params else {}
+    kv: dict[str, Any] = handoff.model_dump(exclude_none=True) if handoff is not None else {}
+    if handoff is not None and lease_s is not None:
+        kv[LEASE_PARAM] = lease_s
     _attach_ids(inb, body, kv, prompt_ids)
     if kv:
         body["kv_transfer_params"] = kv
+    if feed_tag is not None and inb.endpoint is Endpoint.RESPONSES:
+        body["request_id"] = f"resp_{feed_tag}"  # vLLM's Responses request id is a body field
     return body
+
+
+def tagged(headers: dict[str, str], feed_tag: str) -> dict[str, str]:
+    """A decode leg's headers with its params-feed tag in ``X-Request-Id`` (vLLM derives the
+    engine request id the node's feed names from it)."""
+    rid = headers.get("x-request-id", "")
+    return {**headers, "x-request-id": f"{rid}-{feed_tag}" if rid else feed_tag}
 
 
 def direct_body(inb: Inbound) -> dict[str, Any]:
     return copy.copy(inb.body)
 
 
-def _attach_ids(inb: Inbound, body: dict, kv: dict, prompt_ids: tuple[int, ...] | None) -> None:
+def _attach_ids(inb: Inbound, body: dict[str, Any], kv: dict[str, Any],
+                prompt_ids: tuple[int, ...] | None) -> None:
     """Send the router's verified token ids so no engine re-tokenizes differently."""
     if prompt_ids is None or inb.endpoint is Endpoint.RESPONSES:
         return

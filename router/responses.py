@@ -11,7 +11,7 @@ conversation id) or by content, so the next turn reads the decode node's KV as a
 does. The prompt is tokenized through ``/tokenize`` with the input mapped to chat messages
 (``requests.responses_messages``, plain text messages only); the prefill's own prompt ids
 are checked against that before anything it read is trusted. A streamed decode leg is
-relayed event by event (``DecodeLeg._relay_responses``), its closing event held until the
+relayed event by event (``relay.Relay``), its closing event held until the
 feed's params are retained; without a feed on that decode node it is relayed without reuse.
 
 The rest is passed through: ``previous_response_id`` names a response stored in one engine
@@ -47,6 +47,9 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvtier.ids import PodId
 from kvtier.router.flow import Router
 from kvtier.router.pool import InstanceState
 from kvtier.router.reply import Reply
@@ -57,9 +60,6 @@ from kvtier.router.sse import (
     responses_error_event,
     strip_transfer_params,
 )
-from starlette.routing import Route
-
-from kvtier.ids import PodId
 
 log = logging.getLogger("kvtier.router")
 
@@ -143,7 +143,7 @@ def add_routes(app: FastAPI, router: Router, authorize: Callable[[Request], str 
             return error(400, "invalid previous_response_id")
         if serve is not None and pd_eligible(body):
             def remember(reply: Reply) -> None:
-                out, inst = reply.json, reply.info.get("decode")
+                out, inst = reply.json, reply.log.decode
                 if not inst:
                     return
                 if isinstance(out, dict) and isinstance(out.get("id"), str):

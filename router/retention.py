@@ -4,8 +4,8 @@ With decode leases (a decode node running ``KVTierNixlConnector`` with ``decode_
 the instance's ``lease`` endpoint in the router config) a retained turn's blocks live only as
 long as somebody renews their lease. ``Retention`` is the flow's one handle on that:
 
-- ``leg_params`` puts the router's lease (``decode_lease_s``) into each decode leg's params, so
-  the node grants that lease whatever its own default;
+- ``lease_s`` is the router's lease (``decode_lease_s``) each decode leg asks for in its
+  params (``requests.decode_body``), so the node grants that lease whatever its own default;
 - ``retained`` starts holding a turn the store kept: with ``retention: renew`` for as long as
   the store keeps the entry, with ``retention: adaptive`` for what ``HoldPolicy`` chose from the
   cost model, the waits observed so far and how often host copies survived (``host_seen``,
@@ -33,18 +33,18 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
-
-from kvtier.router.config import RouterConfig
-from kvtier.router.leases import LeaseKeeper
-from kvtier.router.metrics import RouterMetrics
-from kvtier.router.store import RetainedKV
 
 from kvtier.cost.hold import HOST_HELD_FRACTION, HoldChoice, HoldPolicy
 from kvtier.cost.model import CostModel
 from kvtier.ids import PodId
+from kvtier.router.config import RouterConfig
+from kvtier.router.leases import LeaseKeeper
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.store import RetainedKV
 from kvtier.transfer_params import NixlParams
-from kvtier.wire.leases import PARAM_KEY, LeaseRequest, Op, ReleaseReason
+from kvtier.wire.leases import LeaseRequest, Op, ReleaseReason
 
 log = logging.getLogger("kvtier.router.retention")
 
@@ -57,6 +57,23 @@ READ_WINDOW_S = 15.0
 # bound) ends too soon for the read to clear that 5 s margin once the prefill reaches it;
 # a live A/B run saw such reads declined (HTTP 500 from the prefill, then retried).
 MIN_READ_LEFT_S = 8.0
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The hold chosen for a retained turn, as logged (``hold`` and ``served`` lines)."""
+
+    hold_s: float
+    basis: str         # renew, conversation, fleet, default
+    samples: int       # waits the choice was made from
+    host_odds: float | None = None  # with ``host_copy``: how often host copies survived
+
+    def fields(self) -> dict[str, object]:
+        out: dict[str, object] = {"hold_s": self.hold_s, "hold_basis": self.basis,
+                                  "hold_samples": self.samples}
+        if self.host_odds is not None:
+            out["host_odds"] = self.host_odds
+        return out
 
 
 class Retention:
@@ -107,36 +124,33 @@ class Retention:
         await self.keeper.stop()
 
     # ---- decode leg ------------------------------------------------------------
-    def leg_params(self, pod: PodId, params: dict[str, Any]) -> dict[str, Any]:
-        """The decode leg's params, asking the node for the router's lease."""
-        if not self.has(pod):
-            return params
-        return {**params, PARAM_KEY: self.cfg.decode_lease_s}
+    def lease_s(self, pod: PodId) -> float | None:
+        """The lease a decode leg on ``pod`` asks for (None: the node has no leases)."""
+        return self.cfg.decode_lease_s if self.has(pod) else None
 
     # ---- a turn was kept ---------------------------------------------------------
-    def retained(self, entry: RetainedKV) -> dict[str, Any]:
-        """Start holding ``entry``'s blocks; the log fields of the choice."""
+    def retained(self, entry: RetainedKV) -> Held | None:
+        """Start holding ``entry``'s blocks; the choice (None: not held under a lease)."""
         pod, rid = entry.decode_pod, entry.params.remote_request_id
         key = (entry.tenant, str(entry.conversation))
         self._remember(self._last, key, (time.monotonic(), len(entry.covered)))
         if rid is None or not self.has(pod):
-            return {}
+            return None
         choice = self._choose(str(entry.conversation))
         hold = min(choice.hold_s, self.cfg.entry_ttl_s)
         self.metrics.hold_choices.labels(choice.basis, "hold" if hold > 0 else "release").inc()
         self.metrics.hold_seconds.observe(hold)
-        fields = {"hold_s": round(hold, 1), "hold_basis": choice.basis,
-                  "hold_samples": choice.samples}
-        if self.policy is not None and self.policy.host_copy:
-            fields["host_odds"] = round(choice.host_odds, 2)
+        held = Held(round(hold, 1), choice.basis, choice.samples,
+                    round(choice.host_odds, 2)
+                    if self.policy is not None and self.policy.host_copy else None)
         if self.policy is not None:
             log.info("hold", extra={"conversation_id": str(entry.conversation), "pod": pod,
-                                    **fields, "why": choice.explanation})
+                                    **held.fields(), "why": choice.explanation})
         if hold <= 0:
             self._release_soon(pod, [rid], ReleaseReason.MOVED)
-            return fields
+            return held
         self.keeper.track(pod, rid, hold)
-        return fields
+        return held
 
     def _choose(self, conversation: str) -> HoldChoice:
         if self.policy is None:

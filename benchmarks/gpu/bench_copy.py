@@ -20,7 +20,9 @@ import time
 import uuid
 
 import torch
-from kvtier.connectors.tier_worker import LoadOp, StoreOp, TierWorker
+
+from kvtier.tier.ops import LoadOp, StoreOp
+from kvtier.tier.worker import TierWorker
 
 LAYERS, BS, HEADS, HEAD = 32, 16, 8, 128
 BLOCK_BYTES = LAYERS * 2 * BS * HEADS * HEAD * 2  # 2 MiB

@@ -24,8 +24,11 @@ import time
 import uuid
 
 import torch
-from kvtier.connectors import tier_worker
-from kvtier.connectors.tier_worker import CudaCopier, StoreOp, TierWorker, runs
+
+from kvtier.tier import cuda_copy as tier_worker
+from kvtier.tier.cuda_copy import CudaCopier
+from kvtier.tier.ops import StoreOp, runs
+from kvtier.tier.worker import TierWorker
 
 LAYERS, BS, HEADS, HEAD = 32, 16, 8, 128
 BLOCK_BYTES = LAYERS * 2 * BS * HEADS * HEAD * 2  # 2 MiB

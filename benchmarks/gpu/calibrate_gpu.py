@@ -30,8 +30,9 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -295,7 +296,7 @@ def measure_shape(shape: ModelShape, args: argparse.Namespace, device: torch.dev
                 "ratio_full_over_scaled": median(times) / scaled, "reps_s": times, "finite": finite})
             print(f"  {shape.name:11s} FULL new={n:6d} cached={cached:6d}  {1e3 * median(times):9.1f} ms "
                   f"(scaled {1e3 * scaled:.1f} ms)", flush=True)
-    del layers
+    layers.clear()  # free the device memory before the copy phase (fwd() is done with it)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -373,7 +374,8 @@ def measure_host_copies(shape: ModelShape, tokens_list: list[int], device: torch
         print(f"  host {shape.name:11s} {tokens:6d} tok {nbytes / 2**20:8.1f} MiB: " + ", ".join(
             f"{r['variant']}/{r['direction']} {1e3 * r['seconds']:.2f} ms"
             for r in out if r["tokens"] == tokens and r["shape"] == shape.name), flush=True)
-        del dev, host, pool, staging
+        # drop the buffers (rebinding, not del: the timed closures above refer to them)
+        dev = host = pool = staging = None
     return out
 
 

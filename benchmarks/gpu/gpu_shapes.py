@@ -2,7 +2,7 @@
 
 `calibrate_gpu.py` runs on the lent H200 with only torch + numpy; `validate.py` runs here with kvtier.
 Both import this file by path (``benchmarks/`` is not a package), and
-``tests/unit/test_gpu_calibration.py`` checks the arithmetic.
+``tests/unit/test_benchmarks_gpu_calibration.py`` checks the arithmetic.
 
 Threading model: pure functions and frozen dataclasses; nothing is shared or mutated.
 """

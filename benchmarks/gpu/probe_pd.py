@@ -39,7 +39,8 @@ NB, NT = "vllm:nixl_bytes_transferred_sum", "vllm:nixl_xfer_time_seconds_sum"
 NC = "vllm:nixl_xfer_time_seconds_count"
 # seconds one repetition needs at L tokens, at ~0.4 GB/s of NIXL and 128 KiB per token:
 # two transfers of ~L tokens each, plus compute and requests
-NEED_S = lambda L: 8 + 2 * L * 131072 / 0.35e9
+def NEED_S(L):
+    return 8 + 2 * L * 131072 / 0.35e9
 
 
 def link(t0: str, t1: str) -> dict:

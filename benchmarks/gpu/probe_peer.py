@@ -37,7 +37,8 @@ from probe_common import Client, log, main_guard, median, metric
 BS, GEN, NEW = 16, 40, 32
 # rough seconds one repetition needs at L tokens (a 32k turn 1 ~1.3 s, its recompute ~1.2 s,
 # the peer READ of 4 GiB a few s): the probe skips a length it cannot finish before the deadline
-NEED_S = lambda L: 6 + L / 2500
+def NEED_S(L):
+    return 6 + L / 2500
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ Threading model: pure functions.
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -32,9 +31,8 @@ from kvtier.ab.records import RunResult
 from kvtier.cost.fit import ServiceSample, fit_turns
 from kvtier.cost.model import CostModel
 
-
 # Candidate slowdowns of a prefill per busy decode instance on a shared host (0: none).
-INTERFERENCE_GRID: tuple[float, ...] = tuple(i / 8 for i in range(0, 33))  # 0 .. 4
+INTERFERENCE_GRID: tuple[float, ...] = tuple(i / 8 for i in range(33))  # 0 .. 4
 
 
 def service_times(result: RunResult, decode_interference: float = 0.0,

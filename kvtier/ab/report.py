@@ -148,12 +148,18 @@ SUMMARY_COLUMNS = (
 
 
 def summary_table(results: Sequence[RunResult]) -> str:
-    head = "| " + " | ".join(c[0] for c in SUMMARY_COLUMNS) + " |"
-    sep = "|" + "|".join("---" for _ in SUMMARY_COLUMNS) + "|"
+    return _summary_rows(results, SUMMARY_COLUMNS)
+
+
+def _summary_rows(results: Sequence[RunResult], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A markdown table of each run's ``summary()``: one row a run, ``columns`` as (header,
+    summary key, unit)."""
+    head = "| " + " | ".join(c[0] for c in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
     rows = []
     for r in results:
         s = r.summary()
-        rows.append("| " + " | ".join(_fmt(s[k], u) for _, k, u in SUMMARY_COLUMNS) + " |")
+        rows.append("| " + " | ".join(_fmt(s[k], u) for _, k, u in columns) + " |")
     return "\n".join([head, sep, *rows])
 
 
@@ -171,13 +177,7 @@ LOAD_COLUMNS = (
 def load_table(results: Sequence[RunResult]) -> str:
     """What the engines themselves counted (queue, inter-token latency, preemptions, running
     requests) next to the retained memory; "–" where a run did not record it."""
-    head = "| " + " | ".join(c[0] for c in LOAD_COLUMNS) + " |"
-    sep = "|" + "|".join("---" for _ in LOAD_COLUMNS) + "|"
-    rows = []
-    for r in results:
-        s = r.summary()
-        rows.append("| " + " | ".join(_fmt(s[k], u) for _, k, u in LOAD_COLUMNS) + " |")
-    return "\n".join([head, sep, *rows])
+    return _summary_rows(results, LOAD_COLUMNS)
 
 
 def _slo_section(results: Sequence[RunResult], slo_s: float) -> list[str]:

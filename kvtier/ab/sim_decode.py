@@ -1,5 +1,5 @@
-"""One decode instance of the fleet simulator (`kvtier.ab.simulator`): its KV blocks and the
-queue of turns waiting for them.
+"""One decode pod of the fleet simulator (`kvtier.ab.simulator`): its device KV blocks, the
+queue of turns waiting for them, and its host tier's copies.
 
 A decode instance has ``capacity`` device blocks. They are used by *running* turns (admitted,
 generating; a turn holds ``ceil(context/block)`` blocks until it finishes) and by *retained*
@@ -15,6 +15,10 @@ Retained blocks (``evict_retained``):
   it), and only then can the waiting turn use the room.
 - ``True`` (evictable): when evicting retained KV (oldest first) would let the head of the
   queue in, it is evicted; `admit` returns the conversations it evicted.
+
+The pod's host tier (`HostCopies`) keeps one copy per conversation (its latest context),
+least recently used first out when ``capacity`` bytes are full; a copy larger than the whole
+tier is not stored.
 
 Threading model: plain mutable state, owned by one `_Sim` on one thread.
 """
@@ -91,3 +95,34 @@ class DecodeInstance:
     def finish(self, blocks: int) -> None:
         """A running turn is done; its blocks are free (the caller may retain them next)."""
         self.active_blocks -= blocks
+
+
+@dataclass
+class HostCopies:
+    """A decode pod's host tier: conversation -> (tokens, bytes) of its latest copy, LRU."""
+
+    capacity: int  # bytes
+    used: int = 0
+    copies: OrderedDict[ConversationId, tuple[int, int]] = field(default_factory=OrderedDict)  # tokens, bytes
+
+    def store(self, conv: ConversationId, tokens: int, nbytes: int) -> None:
+        self.drop(conv)
+        if nbytes > self.capacity:
+            return  # larger than the whole tier: not stored
+        while self.used + nbytes > self.capacity:
+            _, (_, b) = self.copies.popitem(last=False)  # least recently used
+            self.used -= b
+        self.copies[conv] = (tokens, nbytes)
+        self.used += nbytes
+
+    def lookup(self, conv: ConversationId) -> int:
+        hit = self.copies.get(conv)
+        if hit is None:
+            return 0
+        self.copies.move_to_end(conv)
+        return hit[0]
+
+    def drop(self, conv: ConversationId) -> None:
+        old = self.copies.pop(conv, None)
+        if old is not None:
+            self.used -= old[1]

@@ -1,6 +1,7 @@
 """Discrete-event model of a P/D fleet replaying a trace under one retention strategy.
 
-What is modelled (and what the live run measures the same way, so `compare` is fair):
+What is modelled (and what the live run measures the same way, so the report's comparison
+of the two, `kvtier.ab.report.simulation_error`, is fair):
 
 - **Prefill instances** batch the prefills of concurrent turns, modelled as egalitarian
   processor sharing (``FleetSpec.prefill_sharing="ps"``, the default): a turn starts the
@@ -82,6 +83,11 @@ wait), blocks growing as tokens are generated (a turn takes its whole context's 
 admission), vLLM's reserved null block, and the order of hand-off and admission (the P→D
 hand-off is in the prefill's service, before the wait; a real decode allocates, then pulls).
 
+Where it is written: the replay (event loop, handlers, per-turn accounting) here; a prefill
+instance in `kvtier.ab.sim_prefill`; a decode pod (device blocks, waiting turns, host copies)
+in `kvtier.ab.sim_decode`; what the strategy decides (path, TTL or hold, online refit) in
+`kvtier.ab.sim_policy`.
+
 Threading model: `simulate` is a pure function of its arguments (no globals, no clock,
 no randomness), single-threaded; the same inputs give the same `RunResult`.
 """
@@ -90,31 +96,23 @@ from __future__ import annotations
 
 import heapq
 import math
-import statistics
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
-import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvtier.ab.records import DEFAULT_BUCKETS, MemorySample, RunResult, TurnRecord, bucket_of
-from kvtier.ab.sim_decode import DecodeInstance, Retained
-from kvtier.ab.strategies import StrategySpec, builtin, router_ttl_margin_s
+from kvtier.ab.records import MemorySample, RunResult, TurnRecord
+from kvtier.ab.sim_decode import DecodeInstance, HostCopies, Retained
+from kvtier.ab.sim_policy import Decisions, SimPolicy
+from kvtier.ab.sim_prefill import PrefillInstance, PrefillJob
+from kvtier.ab.strategies import StrategySpec, builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
-from kvtier.cost.decide import Offer, decide
-from kvtier.cost.hold import HOST_HELD_FRACTION, HoldPolicy
-from kvtier.cost.online import OnlineCost
+from kvtier.cost.decide import Offer
 from kvtier.cost.model import CostModel
-from kvtier.cost.retention import WaitSample, choose_device_ttl
-from kvtier.cost.reuse import align_down
+from kvtier.cost.reuse import align_down, reusable_tokens
 from kvtier.ids import ConversationId, Outcome, ReusePath
 
-PD_TRANSFER = "pd_transfer"
-# tiered-adaptive online: re-choose the device TTL from the last ADAPTIVE_WINDOW waits once
-# ADAPTIVE_MIN_WAITS were seen, then every ADAPTIVE_REFIT_EVERY new ones.
-ADAPTIVE_WINDOW, ADAPTIVE_MIN_WAITS, ADAPTIVE_REFIT_EVERY = 512, 8, 8  # optional CostModel.reads entry: P->D hand-off of the prompt KV
+PD_TRANSFER = "pd_transfer"  # optional CostModel.reads entry: P->D hand-off of the prompt KV
 
 
 class FleetSpec(BaseModel):
@@ -144,100 +142,11 @@ class FleetSpec(BaseModel):
     decode_interference: float = Field(0.0, ge=0.0)
 
     @model_validator(mode="after")
-    def _interference_needs_sharing(self) -> "FleetSpec":
+    def _interference_needs_sharing(self) -> FleetSpec:
         if self.decode_interference > 0 and self.prefill_sharing != "ps":
             raise ValueError("decode_interference models a shared host under processor "
                              "sharing; prefill_sharing='fifo' cannot slow a started prefill")
         return self
-
-
-# ------------------------------------------------------------------------------- state
-
-
-@dataclass
-class _Host:
-    capacity: int
-    used: int = 0
-    copies: OrderedDict[ConversationId, tuple[int, int]] = field(default_factory=OrderedDict)  # tokens, bytes
-
-    def store(self, conv: ConversationId, tokens: int, nbytes: int) -> None:
-        self.drop(conv)
-        if nbytes > self.capacity:
-            return  # larger than the whole tier: not stored
-        while self.used + nbytes > self.capacity:
-            _, (_, b) = self.copies.popitem(last=False)  # least recently used
-            self.used -= b
-        self.copies[conv] = (tokens, nbytes)
-        self.used += nbytes
-
-    def lookup(self, conv: ConversationId) -> int:
-        hit = self.copies.get(conv)
-        if hit is None:
-            return 0
-        self.copies.move_to_end(conv)
-        return hit[0]
-
-    def drop(self, conv: ConversationId) -> None:
-        old = self.copies.pop(conv, None)
-        if old is not None:
-            self.used -= old[1]
-
-
-# Remaining work (seconds) at or below this is done: absorbs the float drift of 1/n shares.
-_EPS = 1e-9
-
-
-@dataclass
-class _Job:
-    conv: ConversationId
-    turn: int
-    remaining: float  # service seconds left, at the full (unshared) rate
-
-
-@dataclass
-class _Prefill:
-    """One prefill instance. FIFO uses `queue` and `busy`. Processor sharing uses `active`:
-    each job progresses at ``rate/len(active)`` (``rate`` < 1 while decodes on a shared host
-    slow the instance); remaining work is brought up to date (`advance`)
-    at every arrival and completion on the instance, and only the next completion is
-    scheduled, tagged with `epoch` so that one superseded by a later change is ignored.
-    `active` stays in arrival order, which orders completions that tie."""
-
-    queue: deque[tuple[float, ConversationId, int]] = field(default_factory=deque)  # arrival, conv, turn
-    busy: bool = False
-    active: list[_Job] = field(default_factory=list)
-    last_update: float = 0.0
-    epoch: int = 0
-    rate: float = 1.0  # share of full speed the instance gets (FleetSpec.decode_interference)
-    cache: OrderedDict[ConversationId, int] = field(default_factory=OrderedDict)  # conv -> tokens cached
-    cache_used: int = 0
-
-    def load(self) -> int:
-        return len(self.queue) + self.busy + len(self.active)
-
-    def advance(self, now: float) -> None:
-        if self.active:
-            share = (now - self.last_update) * self.rate / len(self.active)
-            for job in self.active:
-                job.remaining -= share
-        self.last_update = now
-
-    def admit(self, now: float, job: _Job) -> None:
-        self.advance(now)
-        self.active.append(job)
-
-    def take_done(self, now: float) -> list[_Job]:
-        self.advance(now)
-        done = [j for j in self.active if j.remaining <= _EPS]
-        self.active = [j for j in self.active if j.remaining > _EPS]
-        return done
-
-    def next_done(self) -> float | None:
-        """Start a new epoch; when its first job completes if nothing arrives (None: idle)."""
-        self.epoch += 1
-        if not self.active:
-            return None
-        return self.last_update + min(j.remaining for j in self.active) * len(self.active) / self.rate
 
 
 # Event kinds, in the order they are applied at equal times: expiries and finishes free
@@ -247,45 +156,23 @@ class _Prefill:
 _EXPIRE, _FINISH, _PREFILL_DONE, _ARRIVE, _START = range(5)
 
 
-@dataclass(frozen=True)
-class _Policy:
-    """What the simulator needs from a StrategySpec, parsed once."""
-
-    name: str
-    ttl_s: float  # 0: no device retention
-    dp_read: bool
-    host_copy: bool
-    p2p: bool
-    local_cache: bool
-    threshold: int
-    delta: int
-    adaptive: bool
-    horizon_s: float = 60.0  # adaptive: kvtier.cost.retention's holding price
-    online_ttl: bool = False  # adaptive: re-choose the device TTL as waits are observed
-    leases: bool = False  # decode leases: the hold is chosen per conversation and turn
-
-    @classmethod
-    def of(cls, s: StrategySpec, online_ttl: bool = True) -> "_Policy":
-        ttl = float(s.decode_ttl_s or 0.0) if s.device_retention else 0.0
-        return cls(s.name, ttl, s.dp_reuse and ttl > 0, s.host_tier, s.peer_fetch, s.prefix_caching,
-                   s.kv_recompute_threshold, s.min_cached_token_delta, s.adaptive,
-                   s.retention_horizon_s, online_ttl and s.adaptive, leases=s.leases)
+# ------------------------------------------------------------------------------- the replay
 
 
 class _Sim:
-    def __init__(self, trace: Trace, policy: _Policy, fleet: FleetSpec, cost: CostModel,
+    """One replay: the fleet's instances, the event queue, and the records it writes."""
+
+    def __init__(self, trace: Trace, policy: SimPolicy, fleet: FleetSpec, cost: CostModel,
                  decide_cost: CostModel | None = None, refit: bool = False) -> None:
         self.trace, self.p, self.fleet, self.cost = trace, policy, fleet, cost
         # what the deployed strategy decides with (paths, holds, TTLs); `cost` times the work
-        self.decide_cost = decide_cost or cost
-        # cost_refit: the router refits what it decides with from the TTFTs it sees
-        self.online = OnlineCost(self.decide_cost) if refit and policy.adaptive else None
+        self.decisions = Decisions(policy, decide_cost or cost, refit)
         self.bs = fleet.block_size
-        self.prefills = [_Prefill() for _ in range(fleet.prefill)]
+        self.prefills = [PrefillInstance() for _ in range(fleet.prefill)]
         self.decodes = [DecodeInstance(fleet.device_blocks_per_decode,
                                        evict_retained=fleet.decode_retained == "evictable")
                         for _ in range(fleet.decode)]
-        self.hosts = [_Host(fleet.host_bytes_per_pod) for _ in range(fleet.decode)]
+        self.hosts = [HostCopies(fleet.host_bytes_per_pod) for _ in range(fleet.decode)]
         self.convs: dict[ConversationId, ConversationSpec] = {c.conversation_id: c for c in trace.conversations}
         self.plans: dict[ConversationId, list[TurnPlan]] = {k: turn_plan(c) for k, c in self.convs.items()}
         self.decode_of: dict[ConversationId, int] = {}
@@ -300,20 +187,8 @@ class _Sim:
         self.ready: dict[tuple[ConversationId, int], tuple[dict, float]] = {}
         self.check_fits()
         self.now = 0.0
-        # adaptive: tool waits seen so far (bounded window) -> the device TTL, re-chosen online
-        self.waits: deque[WaitSample] = deque(maxlen=ADAPTIVE_WINDOW)
+        # when each conversation's last turn finished, and its context then (tool waits)
         self.finished_at: dict[ConversationId, tuple[float, int]] = {}
-        self.ttl_s = policy.ttl_s
-        self.ttl_history: list[tuple[float, float]] = [(0.0, policy.ttl_s)]
-        # decode leases (adaptive, online): the router's per-conversation hold policy, capped
-        # like the router's at its entry TTL (the device TTL less the router's margin)
-        self.hold: HoldPolicy | None = None
-        self.hold_cap = policy.ttl_s - router_ttl_margin_s(policy.ttl_s)
-        if policy.leases and policy.online_ttl and policy.ttl_s > 0 \
-                and "dp_read" in self.decide_cost.reads:
-            self.hold = HoldPolicy(self.decide_cost, host_copy=policy.host_copy and policy.p2p,
-                                   default_hold_s=self.hold_cap, horizon_s=policy.horizon_s)
-        self.record_of: dict[tuple[ConversationId, int], TurnRecord] = {}
 
     def check_fits(self) -> None:
         """Every turn's context fits one decode instance, else it would wait forever."""
@@ -365,7 +240,7 @@ class _Sim:
             "cost_model": self.cost.model_dump(), "trace": self.trace.name, **self.counters,
             "decode_wait_s": sum(r.decode_wait_s for r in self.records)}
         if self.p.adaptive:
-            meta["device_ttl_history"] = self.ttl_history
+            meta["device_ttl_history"] = self.decisions.ttl_history
         return RunResult(self.p.name, self.records, [m for m in self.memory if m.t <= t_end], meta)
 
     # -- handlers ---------------------------------------------------------------------------
@@ -382,7 +257,7 @@ class _Sim:
             if not pf.busy:
                 self.push(self.now, _START, (i,))
         else:
-            pf.admit(self.now, _Job(conv, turn, self.start_turn(pf, self.now, conv, turn)))
+            pf.admit(self.now, PrefillJob(conv, turn, self.start_turn(pf, self.now, conv, turn)))
             self.schedule_shared_done(i)
 
     def on_start(self, i: int) -> None:
@@ -395,7 +270,7 @@ class _Sim:
         service = self.start_turn(pf, arrival, conv, turn)
         self.push(self.now + service, _PREFILL_DONE, (i, conv, turn))
 
-    def start_turn(self, pf: _Prefill, arrival: float, conv: ConversationId, turn: int) -> float:
+    def start_turn(self, pf: PrefillInstance, arrival: float, conv: ConversationId, turn: int) -> float:
         """Begin ``turn``'s prefill on ``pf`` now: choose its reuse path, release the device
         copy it reads or forgoes, note its record's fields; returns its service seconds."""
         spec = self.convs[conv].turns[turn]
@@ -412,13 +287,11 @@ class _Sim:
             ret = None  # expiry event not yet applied at this exact time
         held_dev = ret.tokens if (ret is not None and self.p.dp_read) else 0
         held_host = host.lookup(conv) if self.p.p2p else 0
-        if self.hold is not None and self.hold.host_copy and turn > 0:
-            # as the router does from the indexer: did a host tier keep the turn before?
-            prior = self.plans[conv][turn - 1].context_after
-            self.hold.observe_host(str(conv), held_host >= HOST_HELD_FRACTION * prior)
-        offers = [Offer(ReusePath.DP_READ, max(0, align_down(min(held_dev, proven), self.bs) - local)),
-                  Offer(ReusePath.P2P, max(0, align_down(min(held_host, proven), self.bs) - local))]
-        path, n = self.choose(prompt, local, offers)
+        if turn > 0:
+            self.decisions.observe_host(conv, held_host, self.plans[conv][turn - 1].context_after)
+        offers = [Offer(ReusePath.DP_READ, reusable_tokens(held_dev, proven, local, self.bs)),
+                  Offer(ReusePath.P2P, reusable_tokens(held_host, proven, local, self.bs))]
+        path, n = self.decisions.choose(prompt, local, offers)
         transfer = self.cost.read_s(path, n) if path else 0.0
         service = self.cost.ttft_s(path, prompt, n, local_tokens=local)
         if PD_TRANSFER in self.cost.reads:
@@ -449,34 +322,12 @@ class _Sim:
             reuse_path=ReusePath(path) if path else (ReusePath.LOCAL if local else ReusePath.NONE),
             transfer=transfer, outcome=outcome)
         if self.p.local_cache and self.fleet.prefill_cache_blocks:
-            self.cache_prompt(pf, conv, prompt)
+            pf.cache_prompt(conv, prompt, self.bs, self.fleet.prefill_cache_blocks)
         return service
 
     def observe_wait(self, conv: ConversationId) -> None:
         t, tokens = self.finished_at.pop(conv)
-        if self.hold is not None:
-            self.hold.observe(str(conv), self.now - t, tokens)
-            return
-        self.waits.append(WaitSample(self.now - t, tokens))
-        n = len(self.waits)
-        if n >= ADAPTIVE_MIN_WAITS and (n - ADAPTIVE_MIN_WAITS) % ADAPTIVE_REFIT_EVERY == 0:
-            choice = choose_device_ttl(self.decide_cost, list(self.waits),
-                                       host_copy=self.p.host_copy and self.p.p2p,
-                                       horizon_s=self.p.horizon_s)
-            ttl = choice.ttl_s if choice.retain else 0.0  # 0: keep nothing on the device
-            if ttl != self.ttl_s:
-                self.ttl_s = ttl
-                self.ttl_history.append((self.now, ttl))
-
-    def choose(self, prompt: int, local: int, offers: list[Offer]) -> tuple[str | None, int]:
-        """kvtier.cost.decide, as the deployed strategy would: by expected cost (adaptive), or
-        by vLLM's ``kv_recompute_threshold`` and the router's ``min_cached_token_delta``."""
-        if self.p.adaptive:
-            d = decide(prompt, offers, local_tokens=local, cost=self.decide_cost)
-        else:
-            d = decide(prompt, offers, local_tokens=local,
-                       thresholds={ReusePath.DP_READ: self.p.threshold, ReusePath.P2P: self.p.delta})
-        return d.path, d.tokens
+        self.decisions.observe_wait(conv, self.now, self.now - t, tokens)
 
     def schedule_shared_done(self, i: int) -> None:
         t = self.prefills[i].next_done()
@@ -544,13 +395,7 @@ class _Sim:
             transfer_s=pend["transfer"], t_start=pend["arrival"], outcome=pend["outcome"],
             response_tokens=spec.response_tokens, decode_wait_s=wait)
         self.records.append(rec)
-        if self.online is not None and self.online.observe(
-                rec.computed_tokens, rec.reused_tokens, rec.reuse_path, ttft):
-            self.decide_cost = self.online.model
-            if self.hold is not None:
-                self.hold.cost = self.decide_cost
-        if self.hold is not None:
-            self.record_of[(conv, turn)] = rec
+        self.decisions.observe_turn(conv, turn, rec)
         self.push(pend["arrival"] + e2e, _FINISH, (conv, turn, blocks))
 
     def on_finish(self, conv: ConversationId, turn: int, blocks: int) -> None:
@@ -559,13 +404,7 @@ class _Sim:
         dec.finish(blocks)
         tokens = self.plans[conv][turn].context_after
         self.finished_at[conv] = (self.now, tokens)
-        ttl = self.ttl_s
-        if self.hold is not None:
-            c = self.hold.choose(str(conv))
-            ttl = min(c.hold_s, self.hold_cap)
-            rec = self.record_of.pop((conv, turn), None)
-            if rec is not None:
-                rec.hold_s, rec.hold_basis, rec.hold_samples = round(ttl, 1), c.basis, c.samples
+        ttl = self.decisions.hold_after(conv, turn)
         if self.p.ttl_s > 0 and ttl > 0:
             # the finished turn's blocks stay, retained (pinned: no waiting turn gets them)
             dec.retain(Retained(conv, blocks, tokens, self.now + ttl))
@@ -591,18 +430,6 @@ class _Sim:
     def release_retained(self, d: int, conv: ConversationId) -> None:
         self.decodes[d].release(conv)
 
-    def cache_prompt(self, pf: _Prefill, conv: ConversationId, prompt: int) -> None:
-        cap = self.fleet.prefill_cache_blocks
-        blocks = prompt // self.bs
-        old = pf.cache.pop(conv, 0)
-        pf.cache_used -= old // self.bs
-        while pf.cache and pf.cache_used + blocks > cap:
-            _, t = pf.cache.popitem(last=False)
-            pf.cache_used -= t // self.bs
-        if blocks <= cap:
-            pf.cache[conv] = prompt
-            pf.cache_used += blocks
-
 
 def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost: CostModel,
              online_ttl: bool = True) -> RunResult:
@@ -623,7 +450,7 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
     if spec.host_bytes is not None:
         # the strategy's own host tier size (``kvtier ab --host-mib``, a regime's host_fraction)
         fleet = fleet.model_copy(update={"host_bytes_per_pod": spec.host_bytes})
-    policy = _Policy.of(spec, online_ttl)
+    policy = SimPolicy.of(spec, online_ttl)
     needed = (["dp_read"] if policy.dp_read else []) + (["p2p"] if policy.p2p else [])
     missing = [p for p in needed if p not in cost.reads]
     if missing:
@@ -634,61 +461,10 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
 
 
 def simulate_all(trace: Trace, strategies: Sequence[StrategySpec | str], fleet: FleetSpec,
-                 cost: CostModel) -> list[RunResult]:
-    return [simulate(trace, s, fleet, cost) for s in strategies]
-
-
-# ------------------------------------------------------------------------------- validation
-
-
-class ErrorRow(msgspec.Struct, frozen=True):
-    """Median TTFT of one group of turns, measured vs simulated."""
-
-    group: str  # "turn" or "context"
-    key: int  # turn index, or the context bucket's upper bound (prompt tokens)
-    n: int  # turns matched in this group
-    measured_s: float
-    simulated_s: float
-    rel_error: float  # (simulated - measured) / measured
-
-
-class ErrorTable(msgspec.Struct, frozen=True):
-    strategy: str
-    rows: list[ErrorRow]
-    matched: int  # turns present (and ok) in both runs
-    median_abs_rel_error: float  # over matched turns, per turn
-    max_abs_group_error: float  # worst |rel_error| over the rows
-
-    def markdown(self) -> str:
-        lines = [f"Simulator vs measured, `{self.strategy}`: {self.matched} turns matched, median "
-                 f"|error| per turn {self.median_abs_rel_error:.1%}, worst group {self.max_abs_group_error:.1%}",
-                 "", "| group | key | n | measured ms | simulated ms | error |", "|---|---|---|---|---|---|"]
-        for r in self.rows:
-            lines.append(f"| {r.group} | {r.key} | {r.n} | {r.measured_s * 1e3:.1f} | "
-                         f"{r.simulated_s * 1e3:.1f} | {r.rel_error:+.1%} |")
-        return "\n".join(lines)
-
-
-def compare(measured: RunResult, simulated: RunResult, buckets: Sequence[int] = DEFAULT_BUCKETS) -> ErrorTable:
-    """Per-turn-index and per-context-bucket median TTFT, measured vs simulated.
-
-    Turns are matched by (conversation, turn); only turns ok in both runs count.
-    Groups are keyed by the *measured* turn's prompt length, so a simulator that gets
-    token accounting wrong shows up as TTFT error, not as a shifted bucket.
-    """
-    sim = {(t.conversation_id, t.turn): t for t in simulated.ok_turns}
-    pairs = [(m, sim[(m.conversation_id, m.turn)]) for m in measured.ok_turns
-             if (m.conversation_id, m.turn) in sim and m.ttft_s > 0]
-    rows: list[ErrorRow] = []
-    for group, key_of in (("turn", lambda m: m.turn), ("context", lambda m: bucket_of(m.prompt_tokens, buckets))):
-        groups: dict[int, list[tuple[float, float]]] = {}
-        for m, s in pairs:
-            groups.setdefault(key_of(m), []).append((m.ttft_s, s.ttft_s))
-        for key in sorted(groups):
-            ms = statistics.median(a for a, _ in groups[key])
-            ss = statistics.median(b for _, b in groups[key])
-            rows.append(ErrorRow(group, key, len(groups[key]), ms, ss, (ss - ms) / ms))
-    per_turn = [abs(s.ttft_s - m.ttft_s) / m.ttft_s for m, s in pairs]
-    return ErrorTable(measured.strategy, rows, len(pairs),
-                      statistics.median(per_turn) if per_turn else float("nan"),
-                      max((abs(r.rel_error) for r in rows), default=float("nan")))
+                 cost: CostModel, online_ttl: bool | None = True) -> list[RunResult]:
+    """`simulate` for every strategy of ``strategies`` on the same ``trace``, ``fleet`` and
+    ``cost``. ``online_ttl=None``: as deployed live -- adaptive strategies with decode leases
+    re-choose their device hold online, the others keep the TTL they started with."""
+    specs = [builtin(s) if isinstance(s, str) else s for s in strategies]
+    return [simulate(trace, s, fleet, cost, online_ttl=s.leases if online_ttl is None else online_ttl)
+            for s in specs]

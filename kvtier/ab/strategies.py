@@ -35,7 +35,7 @@ the cost model and the waits of the runs before it (``with_cost_model``), and no
 retention at all when no TTL pays for the memory it holds.
 
 A ``StrategySpec`` is pure data; the live runner turns it into a
-``StackSpec`` (``kvtier.ab.live.runner.stack_spec_for``), a vLLM ``--kv-transfer-config``
+``StackSpec`` (``kvtier.ab.live.stacks.stack_spec_for``), a vLLM ``--kv-transfer-config``
 (``kv_transfer_config``) and router settings (``router_settings``); the
 simulator reads the same fields.
 
@@ -52,13 +52,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.configs import load_config_file
 from kvtier.cost.model import CostModel
 from kvtier.cost.retention import TtlChoice, WaitSample, choose_device_ttl
+from kvtier.tier.config import HostTierConfig
+from kvtier.tier.params_feed import NixlKnobs, ParamsFeedConfig
 
 # Connectors that carry vLLM's NIXL knobs (bidirectional transfer, decode TTL, recompute
 # threshold): vLLM's own and kvtier's subclass with decode leases.
@@ -134,7 +136,7 @@ class StrategySpec(BaseModel):
     decode: int = Field(1, ge=1)
 
     @model_validator(mode="after")
-    def _check(self) -> "StrategySpec":
+    def _check(self) -> StrategySpec:
         if self.device_retention and not self.decode_ttl_s:
             raise ValueError(f"{self.name}: device retention needs decode_ttl_s > 0")
         if self.dp_reuse and not self.device_retention:
@@ -148,13 +150,13 @@ class StrategySpec(BaseModel):
         return self
 
     # -- variants ---------------------------------------------------------------------------
-    def with_ttl(self, decode_ttl_s: float) -> "StrategySpec":
+    def with_ttl(self, decode_ttl_s: float) -> StrategySpec:
         """The same strategy with another decode TTL (no-op without device retention)."""
         if not self.device_retention:
             return self
         return self.model_copy(update={"decode_ttl_s": float(decode_ttl_s)})
 
-    def scaled(self, time_scale: float) -> "StrategySpec":
+    def scaled(self, time_scale: float) -> StrategySpec:
         """Times scaled like the trace's waits (``--time-scale``): the TTL shrinks with them
         so a shortened demo stays in the same regime (which waits outlive the TTL)."""
         if not self.device_retention or time_scale == 1.0:
@@ -167,18 +169,18 @@ class StrategySpec(BaseModel):
                 "retention_horizon_s": self.retention_horizon_s * time_scale})
         return out
 
-    def with_cost_refit(self, on: bool = True) -> "StrategySpec":
+    def with_cost_refit(self, on: bool = True) -> StrategySpec:
         """The router refits its cost model online (adaptive strategies with leases only)."""
         if on and not (self.adaptive and self.leases):
             return self
         return self.model_copy(update={"cost_refit": bool(on)})
 
     def with_thresholds(self, kv_recompute_threshold: int,
-                        min_cached_token_delta: int) -> "StrategySpec":
+                        min_cached_token_delta: int) -> StrategySpec:
         return self.model_copy(update={"kv_recompute_threshold": int(kv_recompute_threshold),
                                        "min_cached_token_delta": int(min_cached_token_delta)})
 
-    def with_cost_model(self, cost: CostModel, waits: Sequence[WaitSample] = ()) -> "StrategySpec":
+    def with_cost_model(self, cost: CostModel, waits: Sequence[WaitSample] = ()) -> StrategySpec:
         """For adaptive strategies: thresholds from ``cost.recommend()`` (a CostModel).
 
         With decode leases the cost model also goes to the router (``router_settings``),
@@ -199,12 +201,12 @@ class StrategySpec(BaseModel):
             spec = spec.with_ttl(choice.ttl_s) if choice.retain else spec.without_retention()
         return spec
 
-    def without_retention(self) -> "StrategySpec":
+    def without_retention(self) -> StrategySpec:
         """The same strategy with the decode node keeping nothing after a turn."""
         return self.model_copy(update={"device_retention": False, "decode_ttl_s": None,
                                        "dp_reuse": False, "leases": False})
 
-    def without_host_copy(self) -> "StrategySpec":
+    def without_host_copy(self) -> StrategySpec:
         """The same strategy with no host tier (its ``KVTierConnector`` configs dropped, no
         peer fetch, no indexer): a device copy or a recompute are the only ways to reuse.
         For an adaptive strategy with leases the router then prices releasing a turn
@@ -232,39 +234,47 @@ class StrategySpec(BaseModel):
         return choose_device_ttl(cost, waits, host_copy=self.host_copy,
                                  horizon_s=self.retention_horizon_s)
 
-    def with_host_bytes(self, host_bytes: int | None) -> "StrategySpec":
+    def with_host_bytes(self, host_bytes: int | None) -> StrategySpec:
         """The same strategy with another host tier size (no-op without a host tier)."""
         if not self.host_tier or host_bytes is None:
             return self
         return self.model_copy(update={"host_bytes": int(host_bytes)})
 
-    def topology(self, prefill: int, decode: int) -> "StrategySpec":
+    def topology(self, prefill: int, decode: int) -> StrategySpec:
         return StrategySpec.model_validate({**self.model_dump(), "prefill": prefill,
                                             "decode": decode})
 
     # -- what the live runner starts ------------------------------------------------------
     def kv_transfer_config(self) -> dict:
-        """The ``--kv-transfer-config`` of every instance, with this strategy's knobs set."""
+        """The ``--kv-transfer-config`` of every instance, with this strategy's knobs set.
+
+        The knobs go through the connectors' config types (``NixlKnobs``,
+        ``ParamsFeedConfig``, ``HostTierConfig``), and each child's config is validated
+        whole, so a misspelt key fails here rather than in a serving engine."""
         children = [copy.deepcopy(load_config_file(n)) for n in self.kv_configs]
         for c in children:
             extra = c.setdefault("kv_connector_extra_config", {})
             if c.get("kv_connector") in NIXL_CONNECTORS:
-                extra["bidirectional_kv_xfer"] = self.device_retention
-                if self.device_retention:
-                    extra["decoder_kv_blocks_ttl"] = _ttl_value(self.decode_ttl_s)
-                    extra["kv_recompute_threshold"] = self.kv_recompute_threshold
-                else:
-                    extra.pop("decoder_kv_blocks_ttl", None)
-                    extra.pop("kv_recompute_threshold", None)
-                if c["kv_connector"] == "KVTierNixlConnector" and "decode_lease_s" in extra:
-                    # the node's default lease (the router asks for its own on every leg)
-                    extra["decode_lease_s"] = self.decode_lease_s
+                retain = self.device_retention
+                _apply(extra, NixlKnobs(
+                    bidirectional_kv_xfer=retain,
+                    decoder_kv_blocks_ttl=_ttl_value(self.decode_ttl_s) if retain else None,
+                    kv_recompute_threshold=self.kv_recompute_threshold if retain else None,
+                ).model_dump())
+                if c["kv_connector"] == "KVTierNixlConnector":
+                    feed = ParamsFeedConfig.from_extra_config(extra)
+                    if "decode_lease_s" in feed.model_fields_set:
+                        # the node's default lease (the router asks for its own on every leg)
+                        _apply(extra, ParamsFeedConfig(
+                            decode_lease_s=self.decode_lease_s).model_dump(exclude_unset=True))
             elif c.get("kv_connector") == "KVTierConnector":
-                extra["peer_fetch"] = self.peer_fetch
-                extra["kv_events"] = self.host_tier
-                extra["min_cached_token_delta"] = self.min_cached_token_delta
+                tier = HostTierConfig(peer_fetch=self.peer_fetch, kv_events=self.host_tier,
+                                      min_cached_token_delta=self.min_cached_token_delta)
                 if self.host_bytes is not None:
-                    extra["cpu_bytes_to_use"] = int(self.host_bytes)
+                    tier = HostTierConfig(**tier.model_dump(exclude_unset=True),
+                                          cpu_bytes_to_use=int(self.host_bytes))
+                _apply(extra, tier.model_dump(exclude_unset=True))
+                HostTierConfig.from_extra_config(extra)  # the file's keys and ours, whole
         if len(children) == 1:
             return children[0]
         return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
@@ -291,6 +301,15 @@ class StrategySpec(BaseModel):
                 out["cost_model"] = self.cost_model.model_dump()  # type: ignore[union-attr]
                 out["cost_refit"] = self.cost_refit
         return out
+
+
+def _apply(extra: dict, values: dict[str, Any]) -> None:
+    """Set a connector config's keys from a config type's dump; None removes a key."""
+    for k, v in values.items():
+        if v is None:
+            extra.pop(k, None)
+        else:
+            extra[k] = v
 
 
 def _ttl_value(ttl: float | None) -> int:

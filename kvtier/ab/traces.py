@@ -109,7 +109,7 @@ class Trace(msgspec.Struct, frozen=True):
                 f.write(enc.encode(conv) + b"\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Trace":
+    def load(cls, path: str | Path) -> Trace:
         """Read a native trace or a recorded one (see the module docstring)."""
         path = Path(path)
         lines = [ln for ln in path.read_bytes().splitlines() if ln.strip()]
@@ -310,7 +310,7 @@ class SyntheticTraceConfig(_Frozen):
     vocab_size: int = Field(DEFAULT_VOCAB_SIZE, gt=FIRST_PLAIN_TOKEN_ID)
 
     @model_validator(mode="after")
-    def _fits(self) -> "SyntheticTraceConfig":
+    def _fits(self) -> SyntheticTraceConfig:
         if self.first_prompt_tokens.mean + self.response_tokens.mean > self.max_context_tokens:
             raise ValueError("first prompt + response mean exceed max_context_tokens")
         return self

@@ -13,7 +13,7 @@
   follow-ups live; the joint fit sees both. Relative error (each row weighted by
   1/seconds, then in log space: `_nnls_relative`), so 5 ms and 5 s prefills count alike
   and noisy samples do not pull the fit under the typical one. A read path no sample took borrows the
-  other path's link, or ``NIXL_CPU_PRIOR``; every choice is written into ``fit_notes``.
+  other path's link, or the prior link (``kvtier.cost.model.NIXL_CPU_PRIOR``); every choice is written into ``fit_notes``.
 - ``fit_link(samples)`` fits ``setup + bytes / bandwidth`` to bare transfers (a link measured
   on its own, e.g. host copies over PCIe), not a whole cost model.
 
@@ -30,13 +30,12 @@ import msgspec
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
-from kvtier.cost.model import CostModel, LinkModel
+from kvtier.cost.model import NIXL_CPU_PRIOR, CostModel, LinkModel
 from kvtier.ids import ReusePath
 
 READ_PATHS: tuple[ReusePath, ...] = (ReusePath.DP_READ, ReusePath.P2P)
-# NIXL/UCX DRAM->DRAM between two processes on one host, measured on the CPU machines
-# kvtier is developed on (docs/FACTS.md): ~4 GB/s, a few ms of setup.
-NIXL_CPU_PRIOR = LinkModel(setup_s=0.002, bytes_per_s=4e9)
+_PRIOR_NOTE = (f"setup {NIXL_CPU_PRIOR.setup_s * 1e3:g} ms, "
+               f"{NIXL_CPU_PRIOR.bytes_per_s / 1e9:g} GB/s")
 UNBOUNDED_BPS = 1e15  # a fitted bandwidth term of zero: reading costs only its setup
 
 
@@ -124,7 +123,7 @@ def fit_turns(samples: Sequence[ServiceSample], kv_bytes_per_token: int,
             other = next((p for p in READ_PATHS if p.value in links), None)
             links[path.value] = links[other.value] if other else NIXL_CPU_PRIOR
             notes.append(f"{path}: borrowed from {other}" if other else
-                         f"{path}: prior (setup 2 ms, 4 GB/s: NIXL on a CPU host), nothing measured")
+                         f"{path}: prior ({_PRIOR_NOTE}: NIXL on a CPU host), nothing measured")
     return CostModel(kv_bytes_per_token=kv_bytes_per_token, prefill_a_s=a,
                      prefill_b_s_per_token=b, prefill_c_s_per_token_ctx=c, reads=links,
                      block_size=block_size, fit_notes=tuple(notes))

@@ -41,7 +41,6 @@ from typing import TypeVar
 from kvtier.cost.model import CostModel
 from kvtier.cost.retention import MAX_TTL_S, WaitSample, choose_device_ttl
 
-
 # A host copy "held" the previous turn when a host tier still has at least this share of its
 # tokens (the router asks the indexer; the simulator its host tiers).
 HOST_HELD_FRACTION = 0.5

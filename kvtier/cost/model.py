@@ -53,6 +53,13 @@ class LinkModel(_Frozen):
         return 0.0 if nbytes <= 0 else self.setup_s + nbytes / self.bytes_per_s
 
 
+# The prior link, where nothing was measured: NIXL/UCX DRAM->DRAM between two processes on one
+# host, measured on the CPU machines kvtier is developed on (docs/FACTS.md): ~4 GB/s, a few ms
+# of setup. A fit borrows it for a path no sample took (``kvtier.cost.fit``); the A/B
+# harness's prior cost model reads over it (``kvtier.ab.live.common.prior_cost_model``).
+NIXL_CPU_PRIOR = LinkModel(setup_s=0.002, bytes_per_s=4e9)
+
+
 class Recommendation(_Frozen):
     """Router/connector thresholds derived from a CostModel, with the reasoning."""
 
@@ -80,7 +87,7 @@ class CostModel(_Frozen):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_model_config(cls, config_json: dict[str, Any], dtype_bytes: int = 2, **kw: Any) -> "CostModel":
+    def from_model_config(cls, config_json: dict[str, Any], dtype_bytes: int = 2, **kw: Any) -> CostModel:
         """A model whose KV size comes from a HF ``config.json``; other fields from ``kw``."""
         return cls(kv_bytes_per_token=kv_bytes_per_token(config_json, dtype_bytes), **kw)
 

@@ -9,12 +9,12 @@ C and L are whole blocks in practice (only full blocks are cached); N is
 not, so ``min(C, N)`` is aligned down to a block boundary. vLLM always
 recomputes at least the last prompt token to produce logits; when the source
 covers the whole prompt the engine itself trims that token, so this function
-does not.
+does not. The fleet simulator (``kvtier.ab.simulator``) counts every offer with it.
+
+Threading model: pure functions.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 
 def align_down(tokens: int, block_size: int) -> int:
@@ -28,16 +28,3 @@ def reusable_tokens(cached: int, prompt: int, local: int, block_size: int) -> in
     if min(cached, prompt, local) < 0:
         raise ValueError(f"negative token count: C={cached} N={prompt} L={local}")
     return max(0, align_down(min(cached, prompt), block_size) - local)
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    # Compare in chunks first: prompts share long prefixes, slicing is C-speed.
-    step = 256
-    while i + step <= n and a[i: i + step] == b[i: i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

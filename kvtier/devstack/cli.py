@@ -62,7 +62,7 @@ def _stack_place(args: argparse.Namespace) -> int:
         print(f"no vLLM worker process (VLLM::Worker) under pid {args.pid}")
         return 1
     for p in placed:
-        print(f"worker {p.pid}: " + ("model thread moved to core %s; " % args.core
+        print(f"worker {p.pid}: " + (f"model thread moved to core {args.core}; "
                                      if p.rebound else "affinity unchanged; ")
               + f"{len(p.demoted)} spinning thread(s) moved to {priority_name(nice)} {p.demoted}")
     return 0

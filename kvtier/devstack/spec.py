@@ -16,6 +16,7 @@ from kvtier.devstack.placement import SPINNER_NICE
 from kvtier.devstack.platform import VLLM_SERVER_ARGV, cpu_dtype, is_cpu_platform
 from kvtier.ids import PodId, Role
 from kvtier.runtime import free_ports
+from kvtier.tier.env import InstanceEnv
 
 
 class InstanceSpec(BaseModel):
@@ -97,9 +98,11 @@ class InstanceSpec(BaseModel):
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.update({
+            InstanceEnv.NIXL_SIDE_CHANNEL_HOST: "127.0.0.1",
+            InstanceEnv.NIXL_SIDE_CHANNEL_PORT: str(self.side_channel_port),
+        })
         env.update(
-            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-            VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_channel_port),
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
             VLLM_NO_USAGE_STATS="1",
             # Enables /reset_prefix_cache, which tests and `kvtier ab` use to
@@ -108,16 +111,16 @@ class InstanceSpec(BaseModel):
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )
-        env.update(
-            KVTIER_TIER_EVENTS_PORT=str(self.tier_events_port),
-            KVTIER_TIER_REPLAY_PORT=str(self.tier_replay_port),
-            KVTIER_P2P_PORT=str(self.tier_p2p_port),
+        env.update({
+            InstanceEnv.TIER_EVENTS_PORT: str(self.tier_events_port),
+            InstanceEnv.TIER_REPLAY_PORT: str(self.tier_replay_port),
+            InstanceEnv.P2P_PORT: str(self.tier_p2p_port),
             # One host: the tier's peer server on loopback, as every address here is
             # (kvtier.tier.config resolves KVTIER_P2P_HOST; other hosts set their own).
-            KVTIER_P2P_HOST="127.0.0.1",
-            KVTIER_METRICS_PORT=str(self.tier_metrics_port),
-            KVTIER_POD_NAME=self.name,
-        )
+            InstanceEnv.P2P_HOST: "127.0.0.1",
+            InstanceEnv.METRICS_PORT: str(self.tier_metrics_port),
+            InstanceEnv.POD_NAME: self.name,
+        })
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         env.update(self.extra_env)

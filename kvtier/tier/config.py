@@ -11,9 +11,10 @@ Renamed/alternative keys are accepted through ``ALIASES``.
 Per-instance ports. One config file serves every instance of a stack, so the
 ports of the tier's event PUB, replay ROUTER and peer side channel are not in
 the file: ``resolved(env)`` takes them from the instance's environment, which
-``kvtier.devstack.stack.InstanceSpec.env()`` fills (``KVTIER_TIER_EVENTS_PORT``,
+``kvtier.devstack.spec.InstanceSpec.env()`` fills (``KVTIER_TIER_EVENTS_PORT``,
 ``KVTIER_TIER_REPLAY_PORT``, ``KVTIER_P2P_PORT``, ``KVTIER_POD_NAME``, and
-``KVTIER_METRICS_PORT`` for the tier's Prometheus endpoint). The
+``KVTIER_METRICS_PORT`` for the tier's Prometheus endpoint; the names are one table,
+``kvtier.tier.env.InstanceEnv``). The
 file only says *whether* the tier publishes events (``kv_events``) and serves
 peers (``peer_fetch``). Precedence per port: explicit key in the file > env
 var > ``*_port_offset`` (deprecated: ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + offset;
@@ -43,12 +44,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ENV_EVENTS_PORT = "KVTIER_TIER_EVENTS_PORT"
-ENV_REPLAY_PORT = "KVTIER_TIER_REPLAY_PORT"
-ENV_P2P_PORT = "KVTIER_P2P_PORT"
-ENV_POD_NAME = "KVTIER_POD_NAME"
-ENV_METRICS_PORT = "KVTIER_METRICS_PORT"
-ENV_P2P_HOST = "KVTIER_P2P_HOST"
+from kvtier.reuse_gate import DEFAULT_MIN_CACHED_TOKEN_DELTA
+from kvtier.tier.env import InstanceEnv
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +92,8 @@ class HostTierConfig(BaseModel):
     model: str | None = None
     hash_seed: int = 0
     pod: str | None = None
-    # Pull from a peer only if it saves at least this many tokens.
-    min_cached_token_delta: int = Field(default=1, ge=0)
+    # Pull from a peer only if it saves at least this many tokens (kvtier.reuse_gate).
+    min_cached_token_delta: int = Field(default=DEFAULT_MIN_CACHED_TOKEN_DELTA, ge=0)
     peer_timeout_s: float = Field(default=5.0, gt=0)
     lease_s: float = Field(default=30.0, gt=0)
 
@@ -110,13 +107,13 @@ class HostTierConfig(BaseModel):
             out[ALIASES.get(k, k)] = v
         return out
 
-    def resolved(self, env: Mapping[str, str]) -> "HostTierConfig":
+    def resolved(self, env: Mapping[str, str]) -> HostTierConfig:
         """Fill per-instance ports, the peer address and the pod name from the instance's env.
 
         Raises ValueError when a feature is on but no port can be found for it, or when a
         given peer host is not usable here (``check_p2p_host``).
         """
-        base = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+        base = env.get(InstanceEnv.NIXL_SIDE_CHANNEL_PORT)
 
         def port(var: str, offset: int | None) -> int | None:
             if env.get(var):
@@ -127,35 +124,35 @@ class HostTierConfig(BaseModel):
 
         upd: dict[str, Any] = {}
         if self.events_endpoint is None and (self.kv_events or self.events_port_offset is not None):
-            p = port(ENV_EVENTS_PORT, self.events_port_offset)
+            p = port(InstanceEnv.TIER_EVENTS_PORT, self.events_port_offset)
             if p is None:
                 raise ValueError(f"kv_events is on but neither events_endpoint nor "
-                                 f"{ENV_EVENTS_PORT} gives the tier's event port")
+                                 f"{InstanceEnv.TIER_EVENTS_PORT} gives the tier's event port")
             upd["events_endpoint"] = f"tcp://*:{p}"
         events_on = self.events_endpoint is not None or "events_endpoint" in upd
         if self.replay_endpoint is None and events_on:
-            p = port(ENV_REPLAY_PORT, self.replay_port_offset)
+            p = port(InstanceEnv.TIER_REPLAY_PORT, self.replay_port_offset)
             if p is not None:
                 upd["replay_endpoint"] = f"tcp://*:{p}"
         if self.p2p_port is None and (self.peer_fetch or self.p2p_port_offset is not None):
-            p = port(ENV_P2P_PORT, self.p2p_port_offset)
+            p = port(InstanceEnv.P2P_PORT, self.p2p_port_offset)
             if p is None:
-                raise ValueError(f"peer_fetch is on but neither p2p_port nor {ENV_P2P_PORT} "
-                                 f"gives the tier's peer port")
+                raise ValueError(f"peer_fetch is on but neither p2p_port nor "
+                                 f"{InstanceEnv.P2P_PORT} gives the tier's peer port")
             upd["p2p_port"] = p
         if self.p2p_port is not None or "p2p_port" in upd:
             host, how = resolve_p2p_host(self.p2p_host, env)
             log.info("kvtier peer server address %s (%s)", host, how)
             if host != self.p2p_host:
                 upd["p2p_host"] = host
-        if self.metrics and self.metrics_port is None and env.get(ENV_METRICS_PORT):
-            upd["metrics_port"] = int(env[ENV_METRICS_PORT])
-        if self.pod is None and env.get(ENV_POD_NAME):
-            upd["pod"] = env[ENV_POD_NAME]
+        if self.metrics and self.metrics_port is None and env.get(InstanceEnv.METRICS_PORT):
+            upd["metrics_port"] = int(env[InstanceEnv.METRICS_PORT])
+        if self.pod is None and env.get(InstanceEnv.POD_NAME):
+            upd["pod"] = env[InstanceEnv.POD_NAME]
         return self.model_copy(update=upd) if upd else self
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> "HostTierConfig":
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> HostTierConfig:
         """Parse the connector's extra config; keys of other connectors
         (a MultiConnector passes each child only its own) are refused."""
         return cls.model_validate(dict(extra or {}))
@@ -179,17 +176,18 @@ def resolve_p2p_host(value: str | None, env: Mapping[str, str]) -> tuple[str, st
     if value is not None:
         return check_p2p_host(value, "p2p_host (kv_connector_extra_config)"), \
             "p2p_host in the config"
-    if env.get(ENV_P2P_HOST):
-        return check_p2p_host(env[ENV_P2P_HOST], ENV_P2P_HOST), ENV_P2P_HOST
+    if env.get(InstanceEnv.P2P_HOST):
+        return check_p2p_host(env[InstanceEnv.P2P_HOST], InstanceEnv.P2P_HOST), InstanceEnv.P2P_HOST
     for how, detect in (("the default route's source address", route_address),
                         ("this host name's address", hostname_address),
                         ("a network interface's address", interface_address)):
         addr = detect()
         if addr is not None:
-            return addr, f"detected: {how}; set {ENV_P2P_HOST} to choose another"
+            return addr, f"detected: {how}; set {InstanceEnv.P2P_HOST} to choose another"
     log.warning("kvtier peer server: no non-loopback address found, using %s: peers on other "
-                "hosts cannot reach it (set %s)", LOOPBACK_FALLBACK, ENV_P2P_HOST)
-    return LOOPBACK_FALLBACK, f"no other address found; single-host only (set {ENV_P2P_HOST})"
+                "hosts cannot reach it (set %s)", LOOPBACK_FALLBACK, InstanceEnv.P2P_HOST)
+    return LOOPBACK_FALLBACK, \
+        f"no other address found; single-host only (set {InstanceEnv.P2P_HOST})"
 
 
 def check_p2p_host(value: str, where: str) -> str:

@@ -100,7 +100,7 @@ class TierEvent:
 
 
 class TierManager(Protocol):
-    """The interface every tier manager implements (see tests/unit/test_host_tier.py)."""
+    """The interface every tier manager implements (see tests/unit/test_tier_contract.py)."""
 
     @property
     def slot_bytes(self) -> int: ...
@@ -149,7 +149,7 @@ class HostTier:
         self._stats = TierStats(self.slot_bytes_, clock=self.clock)
 
     @classmethod
-    def with_capacity(cls, capacity_bytes: int, slot_bytes: int, **kw: Any) -> "HostTier":
+    def with_capacity(cls, capacity_bytes: int, slot_bytes: int, **kw: Any) -> HostTier:
         n = capacity_bytes // slot_bytes
         if n <= 0:
             raise ValueError(

@@ -1,9 +1,9 @@
 """The host tier's memory: a preallocated array of fixed-size block slots.
 
 One slot holds the KV of one block for every layer of the model, laid out as
-the engine adapter decides (kvtier.connectors packs layer after layer). The
+the worker half decides (kvtier.tier.worker packs layer after layer). The
 pool knows nothing about keys; ``HostTier`` (the manager) hands out slot
-numbers and the engine adapter or NIXL moves bytes in and out of them.
+numbers and the worker half or NIXL moves bytes in and out of them.
 
 The pool is a ``numpy.memmap`` over a file in ``/dev/shm`` so the two halves
 of a vLLM connector (scheduler process and worker process, which may or may
@@ -12,9 +12,9 @@ name twice maps the same memory. The creator unlinks the file on ``close()``;
 files left by killed processes are removed by ``sweep_stale()`` (the owner
 pid is part of the name).
 
-Pinning for CUDA (cudaHostRegister) is done by the engine adapter, which is
-where torch lives (``kvtier.connectors.tier_worker.pin_host``: once per process
-and mapping, undone by the adapter's close); this module stays numpy-only.
+Pinning for CUDA (cudaHostRegister) is done by the worker half, which is
+where torch lives (``kvtier.tier.cuda_copy.HostPins``: once per mapping, undone
+by the worker's close); this module stays numpy-only.
 Pools are named per engine and tensor-parallel rank (``pool_tag``).
 
 Threading model: the pool has no state besides the mapping; concurrent
@@ -96,7 +96,7 @@ class HostPool:
                                shape=(self.num_slots, self.slot_bytes))
 
     @classmethod
-    def shared(cls, tag: str, num_slots: int, slot_bytes: int) -> "HostPool":
+    def shared(cls, tag: str, num_slots: int, slot_bytes: int) -> HostPool:
         """Attach to the live shared pool named ``tag``, or create it (and own it).
 
         The two halves of one engine's connector call this with the same tag

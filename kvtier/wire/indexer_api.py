@@ -5,11 +5,14 @@ names the offending path in its error (``Expected `int`, got `str` - at
 `$.token_ids[3]```), which the HTTP layer returns as a 4xx ``{"error": ...}``.
 
 The router's side of ``POST /v1/route`` (one call per request: matches and
-the pull source from one hashing of the prompt)::
+the best pull source from one hashing of the prompt; no target pod, so the
+router gates the source for the prefill it chooses, ``kvtier.reuse_gate``)::
 
-    body = msgspec.json.encode(RouteRequest(model=m, token_ids=ids, target_pod=p,
-                                            loads={"prefill-0": 3}))
+    body = msgspec.json.encode(RouteRequest(model=m, token_ids=ids, loads={"prefill-0": 3}))
     reply = decode_route((await http.post(url + "/v1/route", content=body)).content)
+
+``/v1/lookup`` and ``/v1/source`` (``LookupRequest``, ``SourceRequest``) are the
+indexer's other calls, for callers that want one half or name a target pod.
 
 Threading model: immutable values.
 """

@@ -231,8 +231,6 @@ def encode_frames(topic: str, seq: int, events: list[dict]) -> list[bytes]:
 class EventOut(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """Encoder side: the structs kvtier's host tier publishes (vLLM's own field order)."""
 
-    pass
-
 
 class StoredOut(EventOut, tag="BlockStored"):
     block_hashes: list[int]

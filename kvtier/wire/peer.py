@@ -23,7 +23,7 @@ class Identity(msgspec.Struct, frozen=True):
     layout: str
     slot_bytes: int
 
-    def mismatch(self, other: "Identity") -> str | None:
+    def mismatch(self, other: Identity) -> str | None:
         for f in ("model", "block_size", "hash_seed", "layout", "slot_bytes"):
             if getattr(self, f) != getattr(other, f):
                 return f"{f} differs: {getattr(self, f)!r} != {getattr(other, f)!r}"

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy, stack_spec_for
+from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy
+from kvtier.ab.live.stacks import stack_spec_for
 from kvtier.ab.records import RunResult
 from kvtier.ab.report import PLOTS, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, builtin
@@ -41,8 +42,9 @@ def _registered(connector: str) -> bool:
     MultiConnector rebuilds each child's stats by class name from that registry in the API
     server, so an unregistered child (loaded by module path) crashes it at the first stats
     record."""
-    from kvtier.connectors import register
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvtier.connectors import register
 
     register()
     try:

@@ -13,7 +13,7 @@ the first child. The cost-aware connector takes
 
 which the cache-hit-source metrics show; greedy outputs equal the reference
 in both cases. Expected costs come from ``configs/costaware-nixl-kvtier.json``
-(the decision function itself is unit-tested in test_host_tier_path_choice).
+(the decision function itself is unit-tested in tests/unit/test_cost_decide.py).
 """
 
 from __future__ import annotations

@@ -14,13 +14,14 @@ import time
 import httpx
 import pytest
 import zmq
-from kvtier.indexer.config import IndexerConfig, PodSpec
-from kvtier.indexer.service import IndexerService, wait_until
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
+from kvtier.indexer.config import IndexerConfig, PodSpec
+from kvtier.indexer.service import IndexerService
 from kvtier.runtime import free_ports
 from tests.e2e.pd import complete, metric, reset_prefix_cache
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 HITS = "vllm:prefix_cache_hits_total"

@@ -40,9 +40,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvtier.indexer.service import wait_until
-from kvtier.router.config import RouterConfig
-from kvtier.router.server import RouterServer
 from pydantic import Field
 
 from kvtier.ab.live.lock import e2e_lock
@@ -50,7 +47,10 @@ from kvtier.configs import load_config_file
 from kvtier.devstack.platform import kv_dtype_bytes
 from kvtier.devstack.spec import InstanceSpec, StackSpec
 from kvtier.devstack.stack import LocalStack
+from kvtier.router.config import RouterConfig
+from kvtier.router.server import RouterServer
 from tests.e2e.pd import metric, reset_prefix_cache
+from tests.helpers import wait_until
 from tests.netns import Net, Proc, make_net
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]

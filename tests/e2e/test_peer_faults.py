@@ -67,7 +67,7 @@ def _evict_all(c: httpx.Client, url: str) -> None:
 
 
 @pytest.mark.parametrize("fault", ["evicted", "dead"])
-def test_source_lost_between_lookup_and_fetch_recomputes_and_counts(host_stack, fault):
+def test_source_lost_between_lookup_and_fetch_recomputes_and_counts(host_stack, fault):  # noqa: F811 (the imported fixture)
     a, b = host_stack.instances[0], host_stack.instances[1]
     reason = {"evicted": "evicted", "dead": "unreachable"}[fault]
     line = f"kvtier peer fetch from {a.spec.name} fell back: 0/"

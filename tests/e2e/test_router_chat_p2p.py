@@ -17,11 +17,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvtier.ab.live.stacks import indexer_for, stack_spec_for
+from kvtier.ab.strategies import builtin
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
-
-from kvtier.ab.live.runner import indexer_for, stack_spec_for
-from kvtier.ab.strategies import builtin
 from tests.e2e.pd import metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -17,13 +17,13 @@ import time
 
 import httpx
 import pytest
-from kvtier.indexer.service import wait_until
-from kvtier.router.server import RouterServer
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
+from kvtier.router.server import RouterServer
 from tests.e2e.pd import metric
 from tests.e2e.test_router_pd import MODEL, ids, router_config, router_metric
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -25,15 +25,15 @@ from typing import Any
 
 import httpx
 import pytest
-from kvtier.indexer.service import wait_until
-from kvtier.router.config import RouterConfig
-from kvtier.router.server import RouterServer
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
+from kvtier.router.config import RouterConfig
+from kvtier.router.server import RouterServer
 from kvtier.runtime import free_ports
 from tests.e2e.pd import metric, reaped
 from tests.e2e.test_router_pd import MODEL, ids, reference
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -22,11 +22,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvtier.router.config import RouterConfig
-from kvtier.router.server import RouterServer
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
+from kvtier.router.config import RouterConfig
+from kvtier.router.server import RouterServer
 from kvtier.runtime import free_ports
 from tests.e2e.pd import metric, pd_complete, reset_prefix_cache
 
@@ -196,21 +196,25 @@ def _chat_turns(case: str):
         first = [system, u1, {"role": "assistant", "content":
                  "<think>I should list the files, then explain each change.</think>Two files."},
                  {"role": "user", "content": "Which ones?"}]
-        edit = lambda msgs, a1: [system, u1, {"role": "assistant", "content": "Two files."},
-                                 msgs[3], {"role": "assistant", "content": a1}, u2]
+        def edit(msgs, a1):
+            return [system, u1, {"role": "assistant", "content": "Two files."},
+                                         msgs[3], {"role": "assistant", "content": a1}, u2]
     elif case == "rewrite_tool":
         first = [system, u1, {"role": "assistant", "content": "call git_show(HEAD)"},
                  {"role": "tool", "content": "router/app.py | 40 +++--\nrouter/flow.py | 12 +-"}]
-        edit = lambda msgs, a1: [system, u1, msgs[2],
-                                 {"role": "tool", "content": "[tool output elided: 2 files]"},
-                                 {"role": "assistant", "content": a1}, u2]
+        def edit(msgs, a1):
+            return [system, u1, msgs[2],
+                                         {"role": "tool", "content": "[tool output elided: 2 files]"},
+                                         {"role": "assistant", "content": a1}, u2]
     elif case == "truncate":
         first = [system, u1, {"role": "assistant", "content": "Two files changed."},
                  {"role": "user", "content": "Show the diff."}]
-        edit = lambda msgs, a1: [system, u1, u2]
+        def edit(msgs, a1):
+            return [system, u1, u2]
     else:  # normal: append the answer and a new user message
         first = [system, u1]
-        edit = lambda msgs, a1: [*msgs, {"role": "assistant", "content": a1}, u2]
+        def edit(msgs, a1):
+            return [*msgs, {"role": "assistant", "content": a1}, u2]
     return first, edit
 
 

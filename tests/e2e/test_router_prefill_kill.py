@@ -22,11 +22,11 @@ import uuid
 
 import httpx
 import pytest
-from kvtier.router.config import RouterConfig
-from kvtier.router.server import RouterServer
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
+from kvtier.router.config import RouterConfig
+from kvtier.router.server import RouterServer
 from tests.e2e.pd import metric
 from tests.e2e.test_router_pd import MODEL, ids
 

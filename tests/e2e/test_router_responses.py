@@ -14,8 +14,8 @@ import uuid
 
 import httpx
 import pytest
-from kvtier.router.server import RouterServer
 
+from kvtier.router.server import RouterServer
 from tests.e2e.pd import metric, reset_prefix_cache
 from tests.e2e.test_router_pd import MODEL, router_config, stack  # noqa: F401  (fixture)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,11 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-from kvtier.router.config import RouterConfig
-from kvtier.router.server import RouterServer
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
+from kvtier.router.config import RouterConfig
+from kvtier.router.server import RouterServer
 from kvtier.runtime import free_ports
 from tests.e2e.pd import metric, reaped
 from tests.e2e.test_router_pd import ids, reference
@@ -37,31 +36,6 @@ MODEL = "tiny"
 def stack(stack_pool, tiny_model):
     return stack_pool.get(StackSpec(model=tiny_model, prefill=1, decode=1,
                                     kv_transfer_config=load_config_file("nixl-bidirectional")))
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    port = free_ports(1)[0]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("r"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    import redis
-
-    r = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            r.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 @pytest.fixture()

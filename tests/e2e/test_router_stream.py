@@ -17,11 +17,11 @@ import uuid
 
 import httpx
 import pytest
-from kvtier.router.config import RouterConfig
-from kvtier.router.server import RouterServer
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
+from kvtier.router.config import RouterConfig
+from kvtier.router.server import RouterServer
 from tests.e2e.pd import metric, reset_prefix_cache
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -9,9 +9,11 @@ import uuid
 
 import pytest
 import torch
-from kvtier.connectors import tier_worker
-from kvtier.connectors.tier_worker import LoadOp, StoreOp, TierWorker
+
+from kvtier.tier.cuda_copy import STAGE_BYTES, HostPins
+from kvtier.tier.ops import LoadOp, StoreOp
 from kvtier.tier.pool import HostPool, pool_tag
+from kvtier.tier.worker import TierWorker
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +37,7 @@ def _worker(kv: dict[str, torch.Tensor], num_slots: int = 32, **kw) -> TierWorke
     return w
 
 
-@pytest.mark.parametrize("stage_bytes", [tier_worker.STAGE_BYTES, 2 * 3 * LAYERS * 2 * BS * HEADS
+@pytest.mark.parametrize("stage_bytes", [STAGE_BYTES, 2 * 3 * LAYERS * 2 * BS * HEADS
                                          * HEAD * 2], ids=["one-chunk", "chunks-of-3"])
 @pytest.mark.parametrize("block_ids,slots", [(tuple(range(10, 30)), tuple(range(20))),
                                               ((9, 2, 14, 7, 8), (5, 0, 3, 6, 7)),
@@ -87,26 +89,27 @@ def test_pinning_is_idempotent_and_undone_on_close():
     w1 = _worker(kv)
     try:
         addr = w1._pinned_addr
-        assert addr is not None and tier_worker.pinned_ranges()[addr][1] == 1
+        assert addr is not None and w1.pins.ranges()[addr][1] == 1
         # a second registration of the same range counts a reference, raises nothing,
         # and leaves no CUDA error behind for the next kernel
-        assert tier_worker.pin_host(addr, w1.pool.nbytes)
-        assert tier_worker.pinned_ranges()[addr][1] == 2
-        tier_worker.unpin_host(addr)
+        assert w1.pins.pin(addr, w1.pool.nbytes)
+        assert w1.pins.ranges()[addr][1] == 2
+        w1.pins.unpin(addr)
         torch.ones(8, device="cuda").sum().item()
     finally:
         w1.close()
-    assert addr not in tier_worker.pinned_ranges()
+    assert addr not in w1.pins.ranges()
     # registered by someone else first (cudaErrorHostMemoryAlreadyRegistered): accepted,
     # the error is cleared, and close() does not unregister what it did not register
     pool = HostPool(4, 1 << 20)
     a = pool.base_address
     assert int(torch.cuda.cudart().cudaHostRegister(a, pool.nbytes, 0)) == 0
+    pins = HostPins()
     try:
-        assert tier_worker.pin_host(a, pool.nbytes)
+        assert pins.pin(a, pool.nbytes)
         torch.ones(8, device="cuda").sum().item()  # no sticky error surfaces here
-        tier_worker.unpin_host(a)
-        assert a not in tier_worker.pinned_ranges()
+        pins.unpin(a)
+        assert a not in pins.ranges()
     finally:
         assert int(torch.cuda.cudart().cudaHostUnregister(a)) == 0
 
@@ -145,7 +148,7 @@ def test_store_and_load_in_one_step_share_the_pipeline():
     stage = 2 * 2 * _slot_bytes()  # two stages of 2 slots
     w = _worker(kv, stage_bytes=stage)
     try:
-        first = tuple(range(0, 10))
+        first = tuple(range(10))
         w.run([], [StoreOp(1, "a", first, tuple(range(10)))])
         w.take_done()
         saved = {n: t.index_select(1, torch.tensor(first, device="cuda")).clone()

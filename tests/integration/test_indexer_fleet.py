@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+
 from kvtier.indexer.config import IndexerConfig
 from kvtier.indexer.http import build_app
-from kvtier.indexer.service import wait_until
+from tests.helpers import wait_until
 
 from .test_indexer_subscriber import BS, Prompt, Publisher, make, matched, ready
 

@@ -12,12 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from kvtier.indexer.config import IndexerConfig, PodSpec
-from kvtier.indexer.http import build_app
-from kvtier.indexer.service import IndexerService, wait_until
 
 from kvtier.ab.live.scrape import metric
+from kvtier.indexer.config import IndexerConfig, PodSpec
+from kvtier.indexer.http import build_app
+from kvtier.indexer.service import IndexerService
 from kvtier.runtime import free_ports
+from tests.helpers import wait_until
 
 from .test_indexer_subscriber import BS, Prompt, Publisher, ready
 

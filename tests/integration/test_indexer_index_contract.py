@@ -3,53 +3,17 @@
 from __future__ import annotations
 
 import random
-import shutil
-import subprocess
-import time
 import uuid
 
 import pytest
-from kvtier.indexer.index import KVIndex, MemoryIndex, restore_entries
 
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
-from kvtier.runtime import free_ports
+from kvtier.indexer.index import KVIndex, MemoryIndex, restore_entries
 
 pytestmark = pytest.mark.integration
 
 G, C = Tier.GPU, Tier.CPU
-
-
-def _free_port() -> int:
-    return free_ports(1)[0]
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed (./run test installs it)")
-    port = _free_port()
-    d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(d)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    import redis
-
-    r = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            r.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -79,7 +43,7 @@ H = RequestKeyHasher(ModelName("m"), 4)
 def blocks(tokens, salt=0):
     """(engine hash, request key) per block; engine hashes made distinct per salt."""
     keys = H.keys(tokens)
-    return [(EngineBlockHash((hash((salt, k)) & (2**64 - 1))), k) for k in keys]
+    return [(EngineBlockHash(hash((salt, k)) & (2**64 - 1)), k) for k in keys]
 
 
 def test_is_a_kvindex(make_index):

@@ -25,10 +25,10 @@ from typing import Any
 
 import httpx
 import pytest
-from kvtier.indexer.service import wait_until
 
 from kvtier.runtime import free_ports
 from kvtier.wire import kv_events as ev
+from tests.helpers import wait_until
 
 from .test_indexer_subscriber import Publisher
 

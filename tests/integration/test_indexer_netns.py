@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtier.indexer.service import wait_until
 
+from tests.helpers import wait_until
 from tests.netns import REPO, Net, Proc, make_net
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,6 @@ also when it came back empty.
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,62 +18,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvtier.indexer.service import wait_until
 
 from kvtier.runtime import free_ports
+from tests.helpers import RedisServer, wait_until
 
 from .test_indexer_subscriber import BS, Prompt, Publisher
 
 pytestmark = pytest.mark.integration
 NS = "kvtier"
-
-
-class RedisServer:
-    """A redis-server on a fixed port and directory, stoppable and restartable."""
-
-    def __init__(self, d: Path) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (./run test installs it)")
-        self.exe, self.dir = exe, d
-        (self.port,) = free_ports(1)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    def client(self):
-        import redis
-
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-    def start(self) -> None:
-        import redis
-
-        self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-
-        def up() -> bool:
-            try:
-                return bool(self.client().ping())
-            except redis.RedisError:
-                assert self.proc is not None and self.proc.poll() is None, "redis-server died"
-                return False
-        assert wait_until(up, timeout=15), "redis-server did not start"
-
-    def stop(self, save: bool) -> None:
-        """SHUTDOWN SAVE keeps the data for the next start; NOSAVE (and no dump) loses it."""
-        import redis
-
-        try:
-            self.client().shutdown(save=save, nosave=not save)
-        except redis.ConnectionError:
-            pass
-        assert self.proc is not None
-        self.proc.wait(timeout=15)
-        if not save:
-            (self.dir / "dump.rdb").unlink(missing_ok=True)
 
 
 class Replica:

@@ -16,12 +16,13 @@ from collections import deque
 
 import pytest
 import zmq
-from kvtier.indexer.config import IndexerConfig, PodSpec
-from kvtier.indexer.service import IndexerService, wait_until
 
 from kvtier.hashing import EngineHasher
 from kvtier.ids import Tier
+from kvtier.indexer.config import IndexerConfig, PodSpec
+from kvtier.indexer.service import IndexerService
 from kvtier.wire import kv_events as ev
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 BS = 4
@@ -411,9 +412,11 @@ def test_source_prefers_cpu_peers_by_delta_and_never_the_target():
             assert (r.source.p2p_host, r.source.p2p_port) == ("127.0.0.1", 7002)
             # the delta threshold
             assert svc.source("m", a.toks, "t", 3 * BS + 1).source is None
-            # never the target itself, even if it holds the most
+            # never the target itself, even if it holds the most; y holds what x holds, so
+            # it gains nothing, and the one reuse gate (kvtier.reuse_gate) refuses a pull of
+            # nothing even at a threshold of 0, as the router and the engine always did
             r = svc.source("m", a.toks, "x", 0)
-            assert r.source.pod == "y" and r.delta == 0
+            assert r.source is None and r.delta == 0
             r = svc.source("m", a.toks, "y", 1)   # y holds 8 on GPU: nobody beats it
             assert r.source is None and r.target_matched_tokens == 8 * BS
             assert Tier.CPU.value == "CPU"

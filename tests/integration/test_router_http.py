@@ -2,7 +2,7 @@
 
 Auth, malformed bodies, health reporting and the 502 for "no engine could
 serve" need no vLLM: engines are unreachable ports here. The reuse headers and
-the reuse counter are checked against fake engines (tests/unit/router_fakes.py)
+the reuse counter are checked against fake engines (tests/fakes/engine.py)
 reached through the router's upstream transport.
 """
 
@@ -13,11 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
+
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
-
 from kvtier.runtime import free_ports
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
 
 pytestmark = pytest.mark.integration
 
@@ -120,10 +120,9 @@ def test_streamed_turn_keeps_reuse_through_a_real_params_feed() -> None:
     """The decode node's feed over real ZMQ: KVTierNixlConnector's publisher, the router's
     subscriber. A streamed turn is relayed event by event and the next turn reads D's KV."""
     pytest.importorskip("vllm")
-    from kvtier.connectors.params_feed import ParamsPublisher
-    from kvtier.indexer.service import wait_until
-
+    from kvtier.tier.params_feed import ParamsPublisher
     from kvtier.wire.params_feed import FinishedParams
+    from tests.helpers import wait_until
 
     port = free_ports(1)[0]
     pub = ParamsPublisher(f"tcp://127.0.0.1:{port}")

@@ -1,5 +1,5 @@
 """The router's production upstream client (aiohttp, real sockets) against the same fake
-engines the unit tests use (tests/unit/router_fakes.py, served over HTTP by a small ASGI
+engines the unit tests use (tests/fakes/engine.py, served over HTTP by a small ASGI
 adapter): the header allow-list, garbage answers, a decode dying mid-stream, the end of a
 stream without [DONE], a timing-out prefill ejected though its /health answers."""
 
@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
+
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
-
 from kvtier.runtime import ServerThread
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P2_URL, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, P2_URL, P_URL, FakeEngines
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +66,7 @@ class FakeOverHTTP:
     def _call(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> Any:
         import json
 
-        from tests.unit.router_fakes import Call
+        from tests.fakes.engine import Call
         return Call(self.logical, path, json.loads(body), {k.lower(): v for k, v in headers},
                     body)
 

@@ -6,23 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+
+from kvtier.ids import ConversationId, PodId
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
 from kvtier.router.store import ConversationBackend, RetainedKV, open_store
-
-from kvtier.ids import ConversationId, PodId
 from kvtier.runtime import free_ports
 from kvtier.transfer_params import NixlParams
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
+from tests.helpers import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -30,32 +28,6 @@ BS = 4
 PARAMS = NixlParams(do_remote_decode=True, remote_block_ids=[[1, 2, 3]], remote_engine_id="D",
                     remote_request_id="r", remote_host="10.0.0.1", remote_port=5600,
                     remote_num_tokens=12)
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    port = free_ports(1)[0]
-    d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(d)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    import redis
-
-    r = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            r.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def dead_redis() -> str:
@@ -69,7 +41,7 @@ def make_store(url: str, ns: str, ttl_s: float = 60) -> ConversationBackend:
 
 @pytest.fixture(params=["memory", "redis"])
 def backend(request: pytest.FixtureRequest) -> str:
-    return "memory" if request.param == "memory" else request.getfixturevalue("redis_server")
+    return "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
 
 
 def entry(conv: str, tokens: list[int], tenant: str = "", pod: str = "decode-0",
@@ -244,13 +216,13 @@ def turn(url: str, prompt: list[int], conv: str | None = "c") -> httpx.Response:
 
 
 @pytest.mark.parametrize("named", [True, False])
-def test_two_routers_share_a_conversation(redis_server: str, named: bool) -> None:
+def test_two_routers_share_a_conversation(redis_url: str, named: bool) -> None:
     ns = uuid.uuid4().hex
     fake = FakeEngines()
     conv = "shared" if named else None
-    with RouterServer(router_cfg(redis_server, ns=ns), transport=fake,
+    with RouterServer(router_cfg(redis_url, ns=ns), transport=fake,
                       health_checks=False) as a, \
-            RouterServer(router_cfg(redis_server, ns=ns), transport=fake,
+            RouterServer(router_cfg(redis_url, ns=ns), transport=fake,
                          health_checks=False) as b:
         assert turn(a.url, PROMPT, conv).headers["x-kvtier-reuse"] == "none; tokens=0"
         r2 = turn(b.url, [*PROMPT, *GEN, 7], conv)
@@ -266,13 +238,13 @@ def test_two_routers_share_a_conversation(redis_server: str, named: bool) -> Non
     assert 'kvtier_router_store_latency_seconds_count{op="take"}' in text
 
 
-def test_a_restarted_router_loses_nothing(redis_server: str) -> None:
+def test_a_restarted_router_loses_nothing(redis_url: str) -> None:
     ns = uuid.uuid4().hex
     fake = FakeEngines()
-    with RouterServer(router_cfg(redis_server, ns=ns), transport=fake,
+    with RouterServer(router_cfg(redis_url, ns=ns), transport=fake,
                       health_checks=False) as a:
         assert turn(a.url, PROMPT).status_code == 200
-    with RouterServer(router_cfg(redis_server, ns=ns), transport=fake,
+    with RouterServer(router_cfg(redis_url, ns=ns), transport=fake,
                       health_checks=False) as again:
         r = turn(again.url, [*PROMPT, *GEN, 7])
         assert r.headers["x-kvtier-reuse"] == f"dp_read; tokens={len(PROMPT) + 2}"
@@ -303,41 +275,20 @@ def test_workers_need_a_shared_store() -> None:
                                         "store": "redis://127.0.0.1:1/0"}).workers == 2
 
 
-def _start_redis(port: int, d: str) -> subprocess.Popen:
-    import redis
-
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", d],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    r = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            r.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    pytest.fail("redis-server did not start")
-
-
 def test_redis_dying_between_turns_degrades_then_recovers(tmp_path: Any) -> None:
     """Redis killed under a running router: turns are served without reuse (never a 5xx),
     /healthz names the store; Redis back: reuse resumes without a router restart."""
-    port = free_ports(1)[0]
-    proc = _start_redis(port, str(tmp_path))
+    redis_srv = RedisServer(tmp_path)
     fake = FakeEngines()
     try:
-        with RouterServer(router_cfg(f"redis://127.0.0.1:{port}/0",
-                                     timeouts={"store_s": 0.3}),
+        with RouterServer(router_cfg(redis_srv.url, timeouts={"store_s": 0.3}),
                           transport=fake, health_checks=False) as srv:
             assert turn(srv.url, PROMPT).status_code == 200
-            proc.kill()
-            proc.wait(timeout=10)
+            redis_srv.kill()
             r = turn(srv.url, [*PROMPT, *GEN, 7])
             assert r.status_code == 200 and r.headers["x-kvtier-reuse"] == "none; tokens=0"
             assert httpx.get(srv.url + "/healthz").json()["down"] == ["store"]
-            proc = _start_redis(port, str(tmp_path))
+            redis_srv.start()
             # Back after the store's retry window: a fresh conversation keeps its KV again.
             reuse = ""
             for i in range(100):
@@ -352,5 +303,4 @@ def test_redis_dying_between_turns_degrades_then_recovers(tmp_path: Any) -> None
             h = httpx.get(srv.url + "/healthz").json()
             assert h["down"] == [] and h["dependencies"]["store"]["ok"] is True
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
+        redis_srv.kill()

@@ -4,7 +4,6 @@ the memory store the command refuses to start."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -71,18 +70,15 @@ def children(pid: int) -> list[str]:
     return out
 
 
-def test_two_workers_serve_one_port_over_redis(procs: list[subprocess.Popen]) -> None:
-    rport, eport, port = free_ports(3)
-    redis_exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    spawn(procs, [redis_exe, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                  "--appendonly", "no"])
-    eng = spawn(procs, [PY, str(ROOT / "benchmarks/fake_openai_engine.py"),
-                        "--port", str(eport)])
+def test_two_workers_serve_one_port_over_redis(procs: list[subprocess.Popen],
+                                               redis_url: str) -> None:
+    eport, port = free_ports(2)
+    eng = spawn(procs, [PY, str(ROOT / "tests/fakes/engine.py"), "--port", str(eport)])
     wait_http(f"http://127.0.0.1:{eport}/health", eng)
     e = f"http://127.0.0.1:{eport}"
     router = spawn(procs, [PY, "-m", "kvtier.cli", "router", "--prefill", e, "--decode", e,
                            "--port", str(port), "--workers", "2",
-                           "--store", f"redis://127.0.0.1:{rport}/0"])
+                           "--store", redis_url])
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", router)
     with httpx.Client(timeout=30) as c:

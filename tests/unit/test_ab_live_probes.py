@@ -90,8 +90,8 @@ def test_engine_probe_records_deltas_per_role_and_peaks() -> None:
 
 def _cache_info(n: int) -> str:
     return ('# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="32",'
-            'cache_dtype="auto",engine="0",num_cpu_blocks="None",num_gpu_blocks="%d",'
-            'num_gpu_blocks_override="%d"} 1.0\n' % (n, n))
+            f'cache_dtype="auto",engine="0",num_cpu_blocks="None",num_gpu_blocks="{n}",'
+            f'num_gpu_blocks_override="{n}"}} 1.0\n')
 
 
 def test_decode_blocks_in_use_come_from_usage_and_the_engines_capacity() -> None:

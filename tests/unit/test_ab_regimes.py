@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvtier.ab.live.runner import RoleStackSpec, stack_spec_for
+from kvtier.ab.live.stacks import RoleStackSpec, stack_spec_for
 from kvtier.ab.regimes import RegimeSettings, read_regime, save_regime, working_set_bytes
 from kvtier.ab.strategies import builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnSpec

@@ -1,4 +1,4 @@
-"""Fleet simulator (kvtier.ab.simulator): accounting, retention, path choice, validation helper."""
+"""Fleet simulator (kvtier.ab.simulator): accounting, retention, path choice, its error against a run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from kvtier.ab.records import RunResult
-from kvtier.ab.simulator import FleetSpec, compare, simulate, simulate_all
+from kvtier.ab.report import simulation_error
+from kvtier.ab.simulator import FleetSpec, simulate, simulate_all
 from kvtier.ab.strategies import STRATEGY_NAMES, builtin
 from kvtier.ab.traces import (
     ConversationSpec,
@@ -331,23 +332,21 @@ def test_cost_model_must_cover_strategy_paths():
         simulate(_trace(1.0), "nope", FLEET, _cost())
 
 
-def test_compare_error_table():
+def test_simulation_error_against_a_replay():
+    """The report's measured-vs-simulated comparison (`kvtier.ab.report.simulation_error`) on
+    a replay: turns matched by (conversation, turn), failed and unmatched turns left out."""
     tr = REGIMES["mixed"]
     sim = simulate(tr, "tiered", FLEET, _cost())
-    same = compare(sim, sim)
-    assert same.matched == tr.total_turns()
-    assert all(r.rel_error == 0 for r in same.rows) and same.median_abs_rel_error == 0
-    assert {r.group for r in same.rows} == {"turn", "context"}
-    assert sum(r.n for r in same.rows if r.group == "turn") == same.matched
+    same = simulation_error([sim], [sim])["tiered"]
+    assert same["matched_turns"] == tr.total_turns()
+    assert same["ttft_mape"] == 0 and same["ttft_p50_rel_err"] == 0
     slow = RunResult(sim.strategy, [msgspec.structs.replace(t, ttft_s=t.ttft_s * 1.1) for t in sim.turns],
                      sim.memory, sim.meta)
-    err = compare(sim, slow)  # measured = sim, simulated = 10 % slower
-    assert all(r.rel_error == pytest.approx(0.1) for r in err.rows)
-    assert err.median_abs_rel_error == pytest.approx(0.1) and err.max_abs_group_error == pytest.approx(0.1)
+    err = simulation_error([sim], [slow])["tiered"]  # measured = sim, simulated = 10 % slower
+    assert err["ttft_mape"] == pytest.approx(0.1) and err["ttft_p50_rel_err"] == pytest.approx(0.1)
     # unmatched and failed turns are left out
     partial = RunResult(sim.strategy, sim.turns[:5] + [msgspec.structs.replace(sim.turns[5], ok=False)])
-    assert compare(partial, sim).matched == 5
-    assert "| turn | 0 |" in err.markdown()
+    assert simulation_error([partial], [sim])["tiered"]["matched_turns"] == 5
 
 
 # ------------------------------------------------------------------ decode memory admission

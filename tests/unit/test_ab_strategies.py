@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvtier.router.config import RouterConfig
 from pydantic import ValidationError
 
-from kvtier.ab.live.runner import stack_spec_for
+from kvtier.ab.live.stacks import stack_spec_for
 from kvtier.ab.strategies import (
     MIN_DECODE_LEASE_S,
     STRATEGY_NAMES,
@@ -16,6 +15,7 @@ from kvtier.ab.strategies import (
 )
 from kvtier.cost.model import CostModel, LinkModel
 from kvtier.cost.retention import WaitSample
+from kvtier.router.config import RouterConfig
 
 
 def children(cfg: dict) -> dict[str, dict]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.cost.fit import NIXL_CPU_PRIOR, ReadSample, ServiceSample, fit_link, fit_turns
-from kvtier.cost.model import CostModel, LinkModel
+from kvtier.cost.fit import ReadSample, ServiceSample, fit_link, fit_turns
+from kvtier.cost.model import NIXL_CPU_PRIOR, CostModel, LinkModel
 from kvtier.ids import ReusePath
 
 TRUTH = CostModel(kv_bytes_per_token=2048, prefill_a_s=0.01, prefill_b_s_per_token=2e-4,

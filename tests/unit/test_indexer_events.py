@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from kvtier.indexer.index import MemoryIndex
-from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
 
 from kvtier.hashing import EngineHasher, RequestKeyHasher
 from kvtier.ids import EngineBlockHash, ModelName, PodId, Tier
+from kvtier.indexer.index import MemoryIndex
+from kvtier.indexer.ingest import EventApplier, HasherCache, PodCounters
 from kvtier.wire import kv_events as ev
 
 

@@ -6,8 +6,8 @@ import random
 
 import msgspec
 import pytest
-from kvtier.indexer import fastdecode as fd
 
+from kvtier.indexer import fastdecode as fd
 from kvtier.wire import kv_events as ev
 
 enc = msgspec.msgpack.Encoder().encode
@@ -72,10 +72,9 @@ def test_frames():
 def test_tokens_hashed_from_msgpack_bytes_equal_the_list_path():
     """With the compiled helper, a BlockStored's tokens stay msgpack bytes (RawTokens) and are
     hashed from them: same keys, same errors as hashing the decoded list."""
-    from kvtier.indexer.keys import block_keys
-
     from kvtier.hashing import RequestKeyHasher
     from kvtier.ids import ModelName, RequestKey
+    from kvtier.indexer.keys import block_keys
 
     if not fd._RAW_TOKENS:
         from tests.unit.test_indexer_keys import skip_without_native

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kvtier.indexer.config import IndexerConfig, PodSpec, number_streams, pod_of
-from kvtier.indexer.select import choose_source, matches, merge_streams
 
 from kvtier.ids import PodId, Tier
+from kvtier.indexer.config import IndexerConfig, PodSpec, number_streams, pod_of
+from kvtier.indexer.select import choose_source, matches, merge_streams
 
 BS = 4
 G, C = Tier.GPU, Tier.CPU

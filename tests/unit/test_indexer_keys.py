@@ -7,10 +7,10 @@ import random
 
 import numpy as np
 import pytest
-from kvtier.indexer.keys import request_keys
 
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import ModelName, RequestKey
+from kvtier.indexer.keys import request_keys
 
 
 @pytest.mark.parametrize("bs", [1, 4, 16, 32, 64, 128])
@@ -91,10 +91,9 @@ def test_native_helper_builds_from_source(tmp_path):
 
 def test_native_walk_equals_the_python_walk():
     """MemoryIndex.lookup's prefix walk, compiled and in Python, on random holder sets."""
+    from kvtier.ids import PodId, Tier
     from kvtier.indexer.index import MemoryIndex
     from kvtier.indexer.native import NATIVE
-
-    from kvtier.ids import PodId, Tier
 
     if NATIVE is None:
         skip_without_native("_kvtier_indexer_native not built "
@@ -118,10 +117,9 @@ def test_native_walk_equals_the_python_walk():
 
 def test_native_lookup_equals_the_python_lookup():
     """MemoryIndex.lookup with the compiled walk-and-answer and without it: same answers."""
+    from kvtier.ids import PodId, Tier
     from kvtier.indexer import index as mod
     from kvtier.indexer.native import NATIVE
-
-    from kvtier.ids import PodId, Tier
 
     if NATIVE is None:
         skip_without_native("_kvtier_indexer_native not built "
@@ -160,10 +158,9 @@ def test_native_lookup_equals_the_python_lookup():
 
 def test_native_store_equals_the_python_store():
     """Same mappings, holders and LRU order after random stores (conflicts included)."""
+    from kvtier.ids import EngineBlockHash, PodId, Tier
     from kvtier.indexer import index as mod
     from kvtier.indexer.native import NATIVE
-
-    from kvtier.ids import EngineBlockHash, PodId, Tier
 
     if NATIVE is None or not hasattr(NATIVE, "store"):
         skip_without_native("_kvtier_indexer_native not built "

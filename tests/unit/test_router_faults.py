@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
 from kvtier.router.pool import Ejected
-
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, P2_URL, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, P2_URL, P_URL, FakeEngines
 
 BODY = {"model": "tiny", "prompt": list(range(1, 11)), "max_tokens": 3}
 

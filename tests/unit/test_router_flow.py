@@ -1,4 +1,4 @@
-"""The P/D flow against fake engines (router_fakes): reuse headers, the reuse counter, and
+"""The P/D flow against fake engines (tests/fakes): reuse headers, the reuse counter, and
 the retry policy as the flow applies it. No sockets: the app runs in Starlette's TestClient
 and reaches the engines through an httpx transport."""
 
@@ -9,15 +9,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
-from kvtier.indexer.service import wait_until
+
+from kvtier.ids import ReusePath
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
-
-from kvtier.ids import ReusePath
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, IDX_URL, P2_URL, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, IDX_URL, P2_URL, P_URL, FakeEngines
+from tests.helpers import wait_until
 
 PROMPT = list(range(1, 11))  # 10 tokens: 2 full blocks + 2
 
@@ -156,16 +157,30 @@ def test_a_chat_request_is_tokenized_once_and_routed_by_the_indexer() -> None:
         assert "remote_kv_source" in fake.prefills()[-1].kvp
 
 
-def test_an_indexer_without_route_is_asked_lookup_and_source() -> None:
+def test_an_indexer_without_route_is_unavailable_and_the_request_is_served() -> None:
+    # /v1/route is the router's only indexer call: an indexer that 404s it is counted as
+    # unavailable (no /v1/lookup or /v1/source fallback) and each request is served anyway
     src = {"pod": "prefill-1", "matched_tokens": 8, "p2p_host": "10.0.0.2", "p2p_port": 7000}
-    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 4}], source=src,
-                       route=False)
-    for s in make(fake, indexer=IDX_URL, implicit_sessions=False):
-        assert reuse_of(s.complete(PROMPT, conv=None)) == ("p2p; tokens=8", "none")
-        assert reuse_of(s.complete(PROMPT, conv=None)) == ("p2p; tokens=8", "none")
-        # the 404 is learnt once
-        assert [p for p, _ in fake.indexer_calls] == [
-            "/v1/route", "/v1/lookup", "/v1/source", "/v1/lookup", "/v1/source"]
+    fake = FakeEngines(lookup=[{"pod": "prefill-0", "matched_tokens": 4}], source=src)
+    asked: list[str] = []
+
+    class WithoutRoute(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.host == "idx.test":
+                asked.append(request.url.path)
+                return httpx.Response(404, json={"error": "not found"})
+            return await fake.handle_async_request(request)
+
+    config = RouterConfig.model_validate({
+        "prefill": [P_URL], "decode": [D_URL], "log_json": False, "block_size": BLOCK_SIZE,
+        "indexer": IDX_URL, "implicit_sessions": False})
+    with TestClient(create_app(config, transport=WithoutRoute(), health_checks=False)) as c:
+        s = Stack(c, fake)
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("none; tokens=0", "none")
+        assert reuse_of(s.complete(PROMPT, conv=None)) == ("none; tokens=0", "none")
+        assert asked == ["/v1/route", "/v1/route"]
+        assert s.metric("kvtier_router_indexer_unavailable_total", call="route") == 2
+        assert "remote_kv_source" not in fake.prefills()[-1].kvp
 
 
 def _cost(p2p_setup_s: float) -> dict[str, Any]:
@@ -342,11 +357,10 @@ def test_direct_mode_failing_everywhere_is_a_502() -> None:
 
 
 def test_a_failed_refit_is_logged_once_not_per_leg(monkeypatch, caplog) -> None:
-    from kvtier.router.costs import RouterCost
-    from kvtier.router.metrics import RouterMetrics
-
     from kvtier.cost import online
     from kvtier.cost.model import CostModel
+    from kvtier.router.costs import RouterCost
+    from kvtier.router.metrics import RouterMetrics
 
     def boom(*a: Any, **k: Any) -> Any:
         raise ValueError("singular")

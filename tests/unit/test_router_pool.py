@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from kvtier.ids import PodId, Role
 from kvtier.router.config import InstanceConfig
 from kvtier.router.pool import InstancePool
-
-from kvtier.ids import PodId, Role
 
 
 def pool(n=3) -> InstancePool:

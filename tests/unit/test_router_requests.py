@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvtier.router.config import RouterConfig
 from kvtier.router.requests import (
     BadRequest,
@@ -13,8 +14,7 @@ from kvtier.router.requests import (
     prefill_body,
     strip_headers,
 )
-
-from kvtier.transfer_params import INBOUND_STRIP_HEADERS, KVTransferParams
+from kvtier.transfer_params import INBOUND_STRIP_HEADERS, KVTransferParams, NixlParams
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -24,8 +24,9 @@ def test_client_kv_params_and_conversation_id_are_stripped():
     inb = parse_inbound(Endpoint.CHAT, raw, {})
     assert "kv_transfer_params" not in inb.body and "conversation_id" not in inb.body
     assert inb.conversation == "c"
-    p = prefill_body(inb, {"do_remote_decode": True}, None)
-    assert p["kv_transfer_params"] == {"do_remote_decode": True}
+    kv = KVTransferParams.prefill_request()
+    p = prefill_body(inb, kv, None)
+    assert p["kv_transfer_params"] == kv.to_wire()
     assert "remote_host" not in str(decode_body(inb, None, None, stream=False, want_ids=False))
 
 
@@ -66,7 +67,7 @@ def test_bad_completion_prompts_are_4xx(prompt):
 def test_token_prompt_is_known_up_front_and_sent_verbatim():
     inb = parse_inbound(Endpoint.COMPLETIONS, {"model": "m", "prompt": [[5, 6, 7]]}, {})
     assert inb.prompt_ids == (5, 6, 7) and inb.mode == "pd"
-    kv = KVTransferParams.prefill_request().to_wire()
+    kv = KVTransferParams.prefill_request()
     p = prefill_body(inb, kv, (5, 6, 7))
     assert p["prompt"] == [5, 6, 7] and p["max_tokens"] == 1 and p["stream"] is False
 
@@ -82,12 +83,13 @@ def test_prefill_leg_drops_options_of_other_legs():
     raw = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
            "top_logprobs": 3, "min_tokens": 5, "max_completion_tokens": 50, "temperature": 0}
     inb = parse_inbound(Endpoint.CHAT, raw, {})
-    p = prefill_body(inb, {}, (1, 2, 3))
+    p = prefill_body(inb, KVTransferParams(), (1, 2, 3))
     for k in ("stream_options", "logprobs", "top_logprobs", "min_tokens", "max_completion_tokens"):
         assert k not in p
     assert p["max_tokens"] == 1 and p["temperature"] == 0
     assert p["kv_transfer_params"]["prompt_token_ids"] == [1, 2, 3]
-    d = decode_body(inb, {"do_remote_prefill": True}, (1, 2, 3), stream=False, want_ids=True)
+    d = decode_body(inb, NixlParams(do_remote_prefill=True), (1, 2, 3), stream=False,
+                    want_ids=True)
     assert d["stream"] is False and "stream_options" not in d and d["return_token_ids"]
     assert d["max_completion_tokens"] == 50 and d["logprobs"] is True
 
@@ -108,10 +110,9 @@ def test_config_shorthand_and_checks():
 def test_shipped_router_config_loads_and_cli_flags_override(tmp_path):
     import argparse
 
+    from kvtier.configs import CONFIG_DIR
     from kvtier.router.cli import config_from_args, register
     from kvtier.router.config import load_config
-
-    from kvtier.configs import CONFIG_DIR
 
     cfg = load_config(CONFIG_DIR / "router.yaml")
     assert [i.name for i in cfg.prefill_instances] == ["prefill-0"]

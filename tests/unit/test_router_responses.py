@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi.testclient import TestClient
+
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
-
-from tests.unit.router_fakes import D_URL, P_URL, FakeEngines
+from tests.fakes.engine import D_URL, P_URL, FakeEngines
 
 D1_URL = "http://d1.test:8004"
 

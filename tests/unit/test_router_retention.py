@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
+from kvtier.cost.config import resolve_config_path
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
-
-from kvtier.cost.config import resolve_config_path
-from kvtier.leases import LeaseServer, LeaseTable
+from kvtier.tier.leases import LeaseServer, LeaseTable
 from kvtier.wire.leases import PARAM_KEY
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, IDX_URL, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, IDX_URL, P_URL, FakeEngines
 
 PROMPT = list(range(1, 11))
 RID = "D-req"

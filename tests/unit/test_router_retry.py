@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from kvtier.ids import PodId
 from kvtier.router.retry import (
     ALL_FAILURES,
     Attempts,
@@ -11,8 +13,6 @@ from kvtier.router.retry import (
     RetryPolicies,
     RetryPolicy,
 )
-
-from kvtier.ids import PodId
 
 P = RetryPolicies.from_max_retries(2)
 A, B = PodId("a"), PodId("b")

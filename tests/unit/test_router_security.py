@@ -12,10 +12,10 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
-
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
 
 EVIL = "6.6.6.6:6666"
 CLIENT_RID = "client-chosen-request-id"

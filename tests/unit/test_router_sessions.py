@@ -12,15 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+
+from kvtier.ids import ConversationId, PodId
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
 from kvtier.router.requests import Endpoint, parse_inbound
 from kvtier.router.store import ConversationStore, RetainedKV, block_hashes
-
-from kvtier.ids import ConversationId, PodId
 from kvtier.transfer_params import NixlParams
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
 
 PROMPT = list(range(1, 11))
 COVERED = len(PROMPT) + len(GEN) - 1

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from kvtier.router.sse import DONE, chat_events, completion_events
 from openai.types.chat import ChatCompletionChunk
 from openai.types.completion import Completion
+
+from kvtier.router.sse import DONE, chat_events, completion_events
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvtier.router.store import ConversationStore, RetainedKV, prove_prefix
 
 from kvtier.ids import ConversationId, Outcome, PodId
+from kvtier.router.store import ConversationStore, RetainedKV, prove_prefix
 from kvtier.transfer_params import NixlParams
 
 BS = 4

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
+from kvtier.ids import PodId
 from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
 from kvtier.router.sse import Garbage, strip_params
-
-from kvtier.ids import PodId
 from kvtier.wire.params_feed import FinishedParams, new_tag, tag_of
-from tests.unit.router_fakes import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
+from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, P_URL, FakeEngines
 
 PROMPT = list(range(1, 11))
 COVERED = len(PROMPT) + len(GEN) - 1

@@ -16,7 +16,8 @@ import pytest
 from kvtier.configs import CONFIG_DIR
 from kvtier.devstack.spec import InstanceSpec
 from kvtier.tier import config as tc
-from kvtier.tier.config import ENV_P2P_HOST, HostTierConfig
+from kvtier.tier.config import HostTierConfig
+from kvtier.tier.env import InstanceEnv
 
 PEER = {"peer_fetch": True}
 PORT = {"KVTIER_P2P_PORT": "7003"}
@@ -47,11 +48,11 @@ def test_order_file_then_env_then_route_hostname_interface_then_loopback(detecte
     found, ran = detected
     found.update(route="10.0.0.1", hostname="10.0.0.2", interface="10.0.0.3")
     # 127.0.0.x: bindable on any Linux host, so given values pass the "is it mine" check
-    assert resolve({**PEER, "p2p_host": "127.0.0.2"}, {ENV_P2P_HOST: "127.0.0.3"}).p2p_host \
+    assert resolve({**PEER, "p2p_host": "127.0.0.2"}, {InstanceEnv.P2P_HOST: "127.0.0.3"}).p2p_host \
         == "127.0.0.2"
     assert resolve({**PEER, "peer_host": "127.0.0.2"}).p2p_host == "127.0.0.2"   # alias
-    assert resolve(env={ENV_P2P_HOST: "127.0.0.3"}).p2p_host == "127.0.0.3"
-    assert resolve(env={ENV_P2P_HOST: ""}).p2p_host == "10.0.0.1"   # empty = unset, as ports
+    assert resolve(env={InstanceEnv.P2P_HOST: "127.0.0.3"}).p2p_host == "127.0.0.3"
+    assert resolve(env={InstanceEnv.P2P_HOST: ""}).p2p_host == "10.0.0.1"   # empty = unset, as ports
     assert ran == ["route"]                  # given values never run a detector
     assert resolve().p2p_host == "10.0.0.1"
     found["route"] = None
@@ -68,14 +69,14 @@ def test_how_is_reported(detected):
     found, _ = detected
     found["route"] = "10.0.0.1"
     assert tc.resolve_p2p_host(None, {})[1].startswith("detected: the default route")
-    assert tc.resolve_p2p_host(None, {ENV_P2P_HOST: "127.0.0.1"}) == ("127.0.0.1", ENV_P2P_HOST)
+    assert tc.resolve_p2p_host(None, {InstanceEnv.P2P_HOST: "127.0.0.1"}) == ("127.0.0.1", InstanceEnv.P2P_HOST)
     assert tc.resolve_p2p_host("localhost", {})[0] == "127.0.0.1"   # a name -> its address
 
 
 def test_not_resolved_without_peer_fetch(detected):
     _, ran = detected
     c = HostTierConfig.from_extra_config({"kv_events": True}).resolved(
-        {"KVTIER_TIER_EVENTS_PORT": "1", ENV_P2P_HOST: "no good"})
+        {"KVTIER_TIER_EVENTS_PORT": "1", InstanceEnv.P2P_HOST: "no good"})
     assert c.p2p_host is None and ran == []
 
 
@@ -93,8 +94,8 @@ def test_not_resolved_without_peer_fetch(detected):
 ])
 def test_bad_values_are_clear_errors_naming_their_source(value, why):
     with pytest.raises(ValueError, match=why) as e:
-        resolve(env={ENV_P2P_HOST: value} if value else {ENV_P2P_HOST: " "})
-    assert ENV_P2P_HOST in str(e.value)
+        resolve(env={InstanceEnv.P2P_HOST: value} if value else {InstanceEnv.P2P_HOST: " "})
+    assert InstanceEnv.P2P_HOST in str(e.value)
     with pytest.raises(ValueError, match=why) as e:
         resolve({**PEER, "p2p_host": value})
     assert str(e.value).startswith("p2p_host (kv_connector_extra_config)=")
@@ -106,7 +107,7 @@ def test_unresolvable_name(monkeypatch):
 
     monkeypatch.setattr(tc.socket, "getaddrinfo", fail)
     with pytest.raises(ValueError, match="cannot resolve"):
-        resolve(env={ENV_P2P_HOST: "peer-7.example"})
+        resolve(env={InstanceEnv.P2P_HOST: "peer-7.example"})
 
 
 def test_detectors_give_a_usable_address_of_this_host_or_none():
@@ -133,7 +134,7 @@ def test_shipped_configs_name_no_peer_host_and_the_dev_stack_supplies_it(detecte
                         side_channel_port=2, events_port=3, replay_port=4,
                         tier_events_port=5, tier_replay_port=6, tier_p2p_port=7,
                         tier_metrics_port=8)
-    assert inst.env()[ENV_P2P_HOST] == "127.0.0.1"
+    assert inst.env()[InstanceEnv.P2P_HOST] == "127.0.0.1"
     peers = 0
     for p in sorted(CONFIG_DIR.glob("*.json")):
         cfg = json.loads(p.read_text())

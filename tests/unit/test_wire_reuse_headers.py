@@ -1,4 +1,4 @@
-"""The router's reuse headers as the A/B runner reads them (kvtier.ab.live.headers)."""
+"""The router's reuse headers as the A/B runner reads them (kvtier.wire.reuse_headers)."""
 
 from __future__ import annotations
 

@@ -3,11 +3,13 @@ A. tiered-adaptive as deployed (KVTierNixlConnector + kvtier-peer in a MultiConn
    cost model) on the e2e short trace -- needs KVTierNixlConnector registered with vLLM
    (here via PYTHONPATH=/tmp/abfix sitecustomize, standing in for the connectors/ fix);
 B. the same with cost-tiny.json (retention: adaptive, host copy on) on the hold trace."""
-import json, sys
+import json
+import sys
 from pathlib import Path
+
+from kvtier.ab.live.common import resolve_model
 from kvtier.ab.live.lock import e2e_lock
 from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy
-from kvtier.ab.live.common import resolve_model
 from kvtier.ab.report import write_report
 from kvtier.ab.strategies import builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnSpec

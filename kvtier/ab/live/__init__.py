@@ -3,8 +3,9 @@
 - ``cli``: the arguments of ``kvtier ab``, ``ab-report``, ``calibrate`` and ``demo``;
   each command lives in ``ab`` (ab, ab-report), ``calibrate`` and ``demo``, with what they
   share in ``common``.
-- ``sweep``: every strategy in turn, faults recorded; ``runner``: one strategy's live run.
-- ``headers``: the router's reuse decision from its answer headers; ``scrape``: Prometheus
+- ``sweep``: every strategy in turn, faults recorded; ``runner``: one strategy's live run, on
+  the stack ``stacks`` deploys, each turn measured by ``measure``.
+- ``kvtier.wire.reuse_headers`` reads the router's reuse decision; ``scrape``: Prometheus
   pages; ``lock``: the machine-wide lock every local stack runs under (tests included).
 
 Threading model: see each module.

@@ -38,12 +38,12 @@ from kvtier.ab.live.common import (
     quiet_http_logs,
     resolve_model,
     sim_fleet,
-    simulate_all,
 )
 from kvtier.ab.live.sweep import run_sweep
 from kvtier.ab.records import RunResult, merge_repeats
 from kvtier.ab.regimes import RegimeSettings, read_regime, save_regime
 from kvtier.ab.report import environment_meta, summary_table, write_report
+from kvtier.ab.simulator import simulate_all
 from kvtier.ab.strategies import StrategySpec, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
 from kvtier.cost.model import CostModel
@@ -135,8 +135,8 @@ def run_ab(args: argparse.Namespace) -> int:
     if args.simulate:
         cost = cost or prior_cost_model(kvbpt, args.block_size)
         specs = [s.with_cost_model(cost) for s in specs]
-        results = simulate_all(trace, specs, cost, args.prefill, args.decode, args.block_size,
-                               decode_blocks=regime.decode_num_blocks)
+        results = simulate_all(trace, specs, sim_fleet(args.prefill, args.decode, args.block_size,
+                                                       regime.decode_num_blocks), cost)
         meta.update(mode="simulated", cost_model=cost.model_dump(),
                     cost_model_source=args.cost or "built-in prior (not measured)")
         md = write_report(results, out, meta)
@@ -224,9 +224,9 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
         shared = fit_shared_host(results, kvbpt, block_size, decode_instances=decode)
         fitted = shared.cost
         # live vLLM fixes the TTL at start; with decode leases the router re-chooses online
-        simulated = simulate_all(wall_trace, specs_as_run, fitted, prefill, decode, block_size,
-                                 online_ttl=None, decode_blocks=decode_blocks,
-                                 decode_interference=shared.decode_interference)
+        fleet = sim_fleet(prefill, decode, block_size, decode_blocks,
+                          decode_interference=shared.decode_interference)
+        simulated = simulate_all(wall_trace, specs_as_run, fleet, fitted, online_ttl=None)
         # Repeated live runs: compare every repeat with the (deterministic) simulation.
         reps = {r.strategy: int(r.meta.get("repeats", 1)) for r in results}
         simulated = [merge_repeats([s] * reps.get(s.strategy, 1)) for s in simulated]

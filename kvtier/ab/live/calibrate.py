@@ -27,9 +27,10 @@ from kvtier.ab.live.common import (
     prior_cost_model,
     quiet_http_logs,
     resolve_model,
-    simulate_all,
+    sim_fleet,
 )
 from kvtier.ab.records import RunResult, TurnRecord
+from kvtier.ab.simulator import simulate_all
 from kvtier.ab.strategies import parse_list
 from kvtier.ab.traces import ConversationSpec, Trace, TurnSpec, token_ids
 from kvtier.ids import ConversationId, Outcome, ReusePath
@@ -64,8 +65,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     trace = calibration_trace(max_ctx)
     if args.simulate:
         truth = prior_cost_model(kvbpt, args.block_size)
-        results = simulate_all(calibration_trace(max_ctx, gap_s=1e4),
-                               parse_list(CALIBRATE_WITH), truth, 1, 1, args.block_size)
+        results = simulate_all(calibration_trace(max_ctx, gap_s=1e4), parse_list(CALIBRATE_WITH),
+                               sim_fleet(1, 1, args.block_size), truth)
         source = "simulated stack (built-in prior); the fit must recover it"
     elif args.stack:
         results = [_calibrate_against(args.stack, trace, Path(model_dir).name)]

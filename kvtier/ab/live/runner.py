@@ -19,7 +19,7 @@ How each number is measured (also written into the report, ``MEASUREMENT``):
   ``kv_transfer_params``, keyed by that id.
 - ``reuse_path``, ``reused_tokens``, ``outcome``: the router's own decision,
   from its answer's ``x-kvtier-reuse: PATH; tokens=N`` and
-  ``x-kvtier-outcome`` headers (``kvtier.ab.live.headers``); a failed turn
+  ``x-kvtier-outcome`` headers (``kvtier.wire.reuse_headers``); a failed turn
   records ``none``/0/``none``. ``computed_tokens`` = prompt - reused.
 - ``ttft_s`` (leg tap): client send -> the router's prefill leg answered (the first token
   exists on P; router overhead, indexer calls, D->P/peer reads and the prompt's
@@ -50,6 +50,11 @@ How each number is measured (also written into the report, ``MEASUREMENT``):
   each turn's ``hold_s`` / ``hold_basis`` / ``hold_samples`` come from the router's ``served``
   line and ``hold_why`` from its ``hold`` line.
 
+Where it is written: the run (options, replay, sampling, the result's meta) here; how a turn
+is measured (leg tap, device ledger, the turn's record) in ``kvtier.ab.live.measure``; the
+stack a strategy is deployed on (its spec, the router's instances, the in-process indexer) in
+``kvtier.ab.live.stacks``.
+
 Threading model: ``run_strategy`` is called from one thread; it owns one
 thread per conversation, a sampler thread, and the router/indexer server
 threads, and joins or stops all of them before it returns.
@@ -58,41 +63,47 @@ threads, and joins or stops all of them before it returns.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from pydantic import Field
 
-from kvtier.ab.live.lock import e2e_lock
+from kvtier.ab.live.measure import (
+    DeviceLedger,
+    LegTap,
+    complete_turn,
+    split_transfer,
+    turn_record,
+)
 from kvtier.ab.live.probes import (
     DecodeRetention,
-    EngineProbe,
     Endpoint,
+    EngineProbe,
     ServedLog,
     capture_served,
-    lease_endpoint,
     lease_metrics_urls,
 )
 from kvtier.ab.live.scrape import metric, scrape
+from kvtier.ab.live.stacks import (
+    StackProvider,
+    indexer_for,
+    locked_stack,
+    router_instances,
+    stack_spec_for,
+)
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import ConversationSpec, Trace, token_ids
-from kvtier.devstack.spec import InstanceSpec, StackSpec
 from kvtier.devstack.stack import LocalStack
-from kvtier.ids import Outcome, ReusePath
 from kvtier.router.config import RouterConfig
 from kvtier.router.server import RouterServer
-from kvtier.runtime import ServerThread
-from kvtier.wire.reuse_headers import ReuseReport, parse_reuse_headers
+from kvtier.wire.reuse_headers import ReuseReport
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -138,143 +149,6 @@ MEASUREMENT = {
 }
 
 
-# ----------------------------------------------------------------- leg tap -----------
-@dataclass
-class Leg:
-    """One upstream completion leg of a turn, as the router's transport saw it."""
-
-    inst: str
-    role: str                 # "prefill" | "decode" | "direct"
-    t0: float
-    t1: float                 # perf_counter when the engine's answer was read in full
-    ok: bool                  # 200 with a JSON body
-    kv_out: dict | None       # the answer's kv_transfer_params
-    # usage.prompt_tokens_details.cached_tokens: the prompt tokens the engine did not compute
-    # (prefix cache or loaded KV), as vLLM counted them; None when it did not say
-    cached_tokens: int | None = None
-
-
-class LegTap(httpx.AsyncBaseTransport):
-    """Router transport that forwards everything and records completion legs by request id.
-
-    Only what the router's reuse headers cannot tell: when the prefill leg answered (TTFT), how
-    many prompt tokens the engine actually did not compute (its ``cached_tokens``: the router's
-    header says what it planned, a failed or partial load makes the engine compute more) and
-    what the decode node kept (the decode answer's ``kv_transfer_params``, which the router
-    strips from its own answer)."""
-
-    def __init__(self, roles: Mapping[str, tuple[str, str]]) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
-        self.roles = roles  # url -> (instance name, role)
-        self.legs: dict[str, list[Leg]] = {}
-        self._lock = threading.Lock()
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        rid = request.headers.get("x-request-id")
-        if rid is None or request.method != "POST" or not request.url.path.endswith("completions"):
-            return await self.inner.handle_async_request(request)
-        body = json.loads(await request.aread() or b"{}")
-        t0 = time.perf_counter()
-        resp = await self.inner.handle_async_request(request)
-        raw = await resp.aread()
-        t1 = time.perf_counter()
-        try:
-            out = json.loads(raw) if resp.status_code == 200 else None
-        except ValueError:
-            out = None
-        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        name, _ = self.roles.get(base, (base, "?"))
-        # The leg's role from what the router asked for, not the instance's configured role:
-        # a direct fallback may land on a prefill instance.
-        kvp: dict[str, Any] | None = body.get("kv_transfer_params")
-        if kvp is None:
-            role = "direct"
-        else:
-            role = "prefill" if kvp.get("do_remote_decode") else "decode"
-        ok = isinstance(out, dict)
-        kv_out = out.get("kv_transfer_params") if isinstance(out, dict) else None
-        leg = Leg(name, role, t0, t1, ok, kv_out if isinstance(kv_out, dict) else None,
-                  _cached_tokens(out))
-        with self._lock:
-            self.legs.setdefault(rid, []).append(leg)
-        headers = [(k, v) for k, v in resp.headers.raw
-                   if k.lower() not in (b"content-length", b"transfer-encoding")]
-        return httpx.Response(resp.status_code, headers=headers, content=raw,
-                              extensions=resp.extensions)
-
-    def take(self, rid: str) -> list[Leg]:
-        with self._lock:
-            return self.legs.pop(rid, [])
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-# ----------------------------------------------------------------- device ledger -----
-class DeviceLedger:
-    """What decode nodes pin between turns (see the module docstring)."""
-
-    def __init__(self, block_size: int, ttl_s: float | None) -> None:
-        self.bs, self.ttl = block_size, ttl_s
-        # conversation -> [(blocks, freed_at)]: D pins each turn's KV until read or TTL
-        self._held: dict[str, list[tuple[int, float]]] = {}
-        self._lock = threading.Lock()
-
-    def retained(self, conv: str, tokens: int, now: float) -> None:
-        if self.ttl:
-            with self._lock:
-                self._held.setdefault(conv, []).append((math.ceil(tokens / self.bs),
-                                                        now + self.ttl))
-
-    def read(self, conv: str) -> None:
-        """A prefill read the latest retained KV: D frees it."""
-        with self._lock:
-            held = self._held.get(conv)
-            if held:
-                held.pop()
-
-    def blocks(self, now: float) -> int:
-        with self._lock:
-            return sum(b for h in self._held.values() for b, until in h if until > now)
-
-
-# ----------------------------------------------------------------- helpers -----------
-@contextlib.contextmanager
-def indexer_for(stack: LocalStack, model_name: str,
-                block_size: int) -> Iterator[tuple[IndexerService, str]]:
-    """In-process indexer subscribed to every instance's host-tier events, served over HTTP."""
-    from kvtier.indexer.config import IndexerConfig, PodSpec
-    from kvtier.indexer.http import build_app
-    from kvtier.indexer.service import IndexerService
-
-    pods = [PodSpec(name=i.spec.name, events=f"tcp://127.0.0.1:{i.spec.tier_events_port}",
-                    replay=f"tcp://127.0.0.1:{i.spec.tier_replay_port}",
-                    p2p=f"127.0.0.1:{i.spec.tier_p2p_port}") for i in stack.instances]
-    cfg = IndexerConfig(port=0, pods=tuple(pods), default_model=model_name,
-                        block_size=block_size)
-    svc = IndexerService(cfg)
-    svc.start()
-    # Replay the trace only once every tier's event PUB is connected, or the first turn's
-    # blocks go missing from the host-bytes ledger (seen: host-p2p e2e reporting 0 bytes).
-    if not svc.wait_connected(15.0):
-        log.warning("host bytes held may be undercounted")
-    try:
-        with ServerThread(build_app(svc), name="kvtier-ab-idx") as srv:
-            yield svc, srv.url
-    finally:
-        svc.stop()
-
-
-@contextlib.contextmanager
-def locked_stack(spec: StackSpec, log_dir: Path) -> Iterator[LocalStack]:
-    """A LocalStack under the machine-wide e2e lock (one stack at a time on this machine)."""
-    with e2e_lock(), LocalStack(spec, log_dir) as stack:
-        yield stack
-
-
-StackProvider = Callable[[StackSpec, Path], contextlib.AbstractContextManager[LocalStack]]
-
-
 # ----------------------------------------------------------------- the run -----------
 @dataclass
 class RunOptions:
@@ -295,42 +169,6 @@ class RunOptions:
     extra_args: tuple[str, ...] = ()
     role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
-
-
-class RoleStackSpec(StackSpec):
-    """A ``StackSpec`` whose instances of one role get extra vLLM arguments and environment
-    (a regime's scarce decode KV: ``--num-gpu-blocks-override`` on decode nodes only)."""
-
-    role_args: dict[str, tuple[str, ...]] = Field(default_factory=dict)
-    role_env: dict[str, dict[str, str]] = Field(default_factory=dict)
-
-    def instances(self) -> list[InstanceSpec]:
-        out = []
-        for i in super().instances():
-            r = i.role.value
-            out.append(i.model_copy(update={
-                "extra_args": (*i.extra_args, *self.role_args.get(r, ())),
-                "extra_env": {**i.extra_env, **self.role_env.get(r, {})}}))
-        return out
-
-
-def stack_spec_for(strategy: StrategySpec, model: str, **kw: Any) -> StackSpec:
-    """The local stack that deploys ``strategy``: its topology and ``--kv-transfer-config``
-    (and a regime's per-role settings, ``role_args`` / ``role_env``, when given)."""
-    extra = tuple(kw.pop("extra_args", ()))
-    role_args, role_env = kw.pop("role_args", None), kw.pop("role_env", None)
-    if not strategy.prefix_caching:
-        # StackSpec always passes --enable-prefix-caching (KV events need it);
-        # argparse keeps the last of the pair.
-        extra = (*extra, "--no-enable-prefix-caching")
-    # Usage then reports cached_tokens per request: the prefill's reused tokens.
-    extra = (*extra, "--enable-prompt-tokens-details")
-    if role_args or role_env:
-        return RoleStackSpec(model=model, prefill=strategy.prefill, decode=strategy.decode,
-                             kv_transfer_config=strategy.kv_transfer_config(), extra_args=extra,
-                             role_args=role_args or {}, role_env=role_env or {}, **kw)
-    return StackSpec(model=model, prefill=strategy.prefill, decode=strategy.decode,
-                     kv_transfer_config=strategy.kv_transfer_config(), extra_args=extra, **kw)
 
 
 def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
@@ -367,22 +205,6 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         http = es.enter_context(httpx.Client(timeout=30))
         return _replay(spec, trace, opts, stack, srv.url, tap, idx_svc, http, model_name,
                        served)
-
-
-def router_instances(stack: LocalStack) -> list[dict[str, Any]]:
-    """The router's ``instances``: name, URL and role of each, and a decode node's ``lease``
-    endpoint when the stack's ``--kv-transfer-config`` has decode leases (side-channel port +
-    ``lease_port_offset``, ``kvtier.ab.live.probes.lease_endpoint``)."""
-    kv = stack.spec.kv_transfer_config
-    out: list[dict[str, Any]] = []
-    for i in stack.instances:
-        inst: dict[str, Any] = {"name": i.spec.name, "url": i.url, "role": i.spec.role.value}
-        if i.spec.role.value == "decode":
-            lease = lease_endpoint(i.spec.side_channel_port, kv)
-            if lease is not None:
-                inst["lease"] = lease
-        out.append(inst)
-    return out
 
 
 def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack, url: str,
@@ -468,12 +290,12 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                 reuse: ReuseReport | None = None
                 err = ""
                 try:
-                    gen, reuse = _complete(c, model_name, cid, rid, prompt,
+                    gen, reuse = complete_turn(c, model_name, cid, rid, prompt,
                                            turn.response_tokens)
                 except Exception as e:  # noqa: BLE001 - a failed turn is a record, not a crash
                     err = f"{type(e).__name__}: {e}"[:300]
                 t1 = time.perf_counter()
-                r = _record(spec.name, conv.conversation_id, i, t0 - t_run, t0, t1,
+                r = turn_record(spec.name, conv.conversation_id, i, t0 - t_run, t0, t1,
                             tap.take(answered.get("rid") or rid), len(prompt), gen, reuse,
                             err, ledger, cid)
                 if served is not None:
@@ -506,7 +328,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         bar.close()
     t_end = time.perf_counter() - t_run
     xfer = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in prefill_urls) - xfer0
-    _split_transfer(records, xfer)
+    split_transfer(records, xfer)
     records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
     meta: dict[str, Any] = {
         "t_end": t_end, "strategy_spec": spec.model_dump(), "nixl_xfer_time_s": xfer,
@@ -545,67 +367,6 @@ def router_cost(http: httpx.Client, router_url: str, deployed: dict[str, Any]) -
         start[t] = float(link["setup_s"])
     return {"refits": metric(text, "kvtier_router_cost_refits_total"),
             "deployed_s": start, "final_s": final}
-
-
-def _complete(c: httpx.Client, model: str, cid: str, rid: str, prompt: list[int],
-              max_tokens: int) -> tuple[list[int], ReuseReport]:
-    """One turn through the router: token-list prompt, exact ids back (see router/client.py),
-    and the router's reuse decision from the answer's headers. ``ignore_eos`` makes the turn
-    generate exactly the trace's response length."""
-    body = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
-            "ignore_eos": True, "return_token_ids": True, "conversation_id": cid}
-    r = c.post("/v1/completions", json=body, headers={"x-request-id": rid})
-    r.raise_for_status()
-    ids = r.json()["choices"][0].get("token_ids")
-    if not isinstance(ids, list):
-        # the router's answer is malformed: a bad value, not a caller passing a wrong type
-        raise ValueError("router answer has no token_ids")  # noqa: TRY004
-    return ids, parse_reuse_headers(r.headers)
-
-
-def _record(strategy: str, conv_id: str, i: int, t_start: float, t0: float, t1: float,
-            legs: list[Leg], prompt: int, gen: list[int] | None, reuse: ReuseReport | None,
-            err: str, ledger: DeviceLedger, cid: str) -> TurnRecord:
-    """One turn's record: reuse from the router's headers (``reuse``; None when the turn
-    failed), TTFT and what the decode node kept from the legs."""
-    path, reused, outcome = ((reuse.path, reuse.tokens, reuse.outcome) if reuse is not None
-                             else (ReusePath.NONE, 0, Outcome.NONE))
-    pre = next((g for g in legs if g.role == "prefill" and g.ok), None)
-    if pre is not None and pre.cached_tokens is not None:
-        reused = pre.cached_tokens  # what the engine did, over what the router planned
-    dec = next((g for g in reversed(legs) if g.role in ("decode", "direct") and g.ok), None)
-    ttft = pre.t1 - t0 if pre is not None else t1 - t0
-    if path is ReusePath.DP_READ:
-        ledger.read(cid)
-    if dec is not None and dec.role == "decode":
-        kvp = dec.kv_out or {}
-        n = kvp.get("remote_num_tokens")
-        if kvp.get("remote_block_ids") and isinstance(n, int):
-            ledger.retained(cid, n, time.perf_counter())
-    # The enum members themselves: they are str, equal to (and serialized as) their values.
-    return TurnRecord(strategy, conv_id, i, prompt, reused, path, max(0, prompt - reused),
-                      ttft, t1 - t0, 0.0, t_start, outcome,
-                      len(gen) if gen is not None else 0, gen is not None, err)
-
-
-def _cached_tokens(answer: object) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of an engine answer, if it has one."""
-    if not isinstance(answer, dict):
-        return None
-    usage = answer.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    n = details.get("cached_tokens") if isinstance(details, dict) else None
-    return n if isinstance(n, int) and n >= 0 else None
-
-
-def _split_transfer(records: list[TurnRecord], total_s: float) -> None:
-    if not (total_s > 0):
-        return
-    movers = [r for r in records if r.ok and ReusePath(r.reuse_path).is_read
-              and r.reused_tokens > 0]
-    tokens = sum(r.reused_tokens for r in movers)
-    for r in movers:
-        r.transfer_s = total_s * r.reused_tokens / tokens
 
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:

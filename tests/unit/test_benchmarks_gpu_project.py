@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.ab.live.common import simulate_all
+from kvtier.ab.live.common import sim_fleet
+from kvtier.ab.simulator import simulate_all
 from kvtier.ab.strategies import STRATEGY_NAMES, builtin
 from kvtier.cost.config import CostConfig
 from kvtier.cost.model import CostModel, LinkModel
@@ -136,7 +137,7 @@ def test_shipped_config_is_the_fitted_model_and_loads(fitted):
 def test_config_runs_in_the_ab_simulate_path():
     cost = CostModel.model_validate_json(CONFIG.read_text())
     specs = [builtin(n).with_cost_model(cost) for n in STRATEGY_NAMES]
-    results = simulate_all(project.isolated_trace(), specs, cost, 1, 1, 16)
+    results = simulate_all(project.isolated_trace(), specs, sim_fleet(1, 1, 16), cost)
     assert [r.strategy for r in results] == list(STRATEGY_NAMES)
     assert all(len(r.ok_turns) == 2 * len(project.CONTEXTS) for r in results)
 

@@ -1,4 +1,4 @@
-"""Scheduler half of KVTierConnector: decides what to load and store, owns the tier.
+"""Scheduler half of the host tier: decides what to load and store, owns the tier.
 
 Per request:
 
@@ -12,6 +12,10 @@ Per request:
   ones not present, one StoreOp; returns True so vLLM keeps the blocks until
   the worker reports the copy done (``finished_sending``).
 - ``worker_done``: completes store and load jobs from the worker's metadata.
+- ``publish``: the tier's KV events since the last call, to the events publisher.
+
+Built whole by ``kvtier.tier.spec.HostTierSpec.get_scheduler`` (peer client, events
+publisher and the servers it closes are constructor fields, never patched in later).
 
 Threading model: vLLM calls the scheduler half from its scheduler thread;
 the peer server (if enabled) runs on its own thread and shares the tier, so
@@ -24,12 +28,14 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-
-from kvtier.connectors.tier_worker import LoadOp, StoreOp
+from typing import Protocol
 
 from kvtier.hashing import RequestKeyHasher, to_external
 from kvtier.ids import EngineBlockHash, RequestKey
+from kvtier.reuse_gate import DEFAULT_MIN_CACHED_TOKEN_DELTA, gains_enough
+from kvtier.tier.events import TierEventPublisher
 from kvtier.tier.manager import BlockMeta, HostTier, LoadJob
+from kvtier.tier.ops import LoadOp, StoreOp
 from kvtier.tier.peer import PeerClient
 from kvtier.transfer_params import RemoteKVSource
 
@@ -42,6 +48,10 @@ def engine_hash(h: object) -> EngineBlockHash | None:
     if isinstance(h, int):
         return EngineBlockHash(h)
     return None
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -57,12 +67,16 @@ class TierScheduler:
     block_size: int
     offload_prompt_only: bool = False
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # Peer fetch (None: off), gated by min_cached_token_delta (kvtier.reuse_gate).
+    peer: PeerClient | None = None
+    min_cached_token_delta: int = DEFAULT_MIN_CACHED_TOKEN_DELTA
+    events: TierEventPublisher | None = None  # the tier's KV events (None: not published)
+    # Servers that share the tier (peer server, metrics): closed with the scheduler.
+    services: tuple[Closeable, ...] = ()
     _matches: dict[str, _Match] = field(default_factory=dict)
     _loads: list[LoadOp] = field(default_factory=list)
     _stores: list[StoreOp] = field(default_factory=list)
     _salted: dict[str, RequestKeyHasher] = field(default_factory=dict)
-    peer: PeerClient | None = None
-    min_delta: int = 1
 
     def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[RequestKey]:
         """RequestKeys of the full blocks; a request's ``cache_salt`` is part
@@ -107,7 +121,8 @@ class TierScheduler:
         keys = keys[: source.num_tokens // self.block_size]
         with self.lock:
             local = max(self.tier.lookup_prefix(keys), num_computed // self.block_size)
-        if (len(keys) - local) * self.block_size < max(1, self.min_delta):
+        if not gains_enough((len(keys) - local) * self.block_size,
+                            self.min_cached_token_delta):
             return
         bs = self.block_size
         metas = [BlockMeta(token_ids=tuple(token_ids[i * bs:(i + 1) * bs]),
@@ -205,3 +220,23 @@ class TierScheduler:
                 self.tier.complete_store(job_id, True)
             for job_id, ok in loads:
                 self.tier.complete_load(job_id, ok)
+
+    def publish(self) -> None:
+        """Send the tier's KV events since the last call (dropped when nothing publishes)."""
+        with self.lock:
+            events = self.tier.take_events()
+        if events and self.events is not None:
+            self.events.publish(events, self.block_size)
+
+    def reset(self) -> None:
+        """Forget everything the tier holds (vLLM's ``reset_prefix_cache``)."""
+        with self.lock:
+            self.tier.clear()
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+        for s in self.services:
+            s.close()
+        if self.peer is not None:
+            self.peer.close()

@@ -6,7 +6,9 @@ import uuid
 
 import pytest
 import torch
-from kvtier.connectors.tier_worker import LoadOp, StoreOp, TierWorker, runs
+
+from kvtier.tier.ops import LoadOp, StoreOp, runs
+from kvtier.tier.worker import TierWorker
 
 NUM_BLOCKS, LAYERS = 16, 3
 

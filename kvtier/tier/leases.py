@@ -57,7 +57,7 @@ from kvtier.wire.leases import (
     ReleaseReason,
 )
 
-log = logging.getLogger("kvtier.leases")
+log = logging.getLogger(__name__)
 
 # A lease that ends within this much of its deadline ended by running out, not by a read.
 _EXPIRY_SLACK_S = 0.05

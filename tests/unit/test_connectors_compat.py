@@ -93,7 +93,11 @@ def test_nixl_connector_class_and_request_token_ids():
 
 
 def test_the_params_feed_connector_is_a_nixl_connector():
-    from kvtier.connectors.params_feed import KVTierNixlConnector, feed_endpoint
+    from kvtier.connectors.params_feed import KVTierNixlConnector
+    from kvtier.tier.params_feed import ParamsFeedConfig
+
+    def feed_endpoint(extra: dict, env: dict) -> str | None:
+        return ParamsFeedConfig.from_extra_config(extra).resolved(env).params_feed_endpoint
 
     assert issubclass(KVTierNixlConnector, compat.nixl_connector_class())
     assert feed_endpoint({"params_feed_endpoint": "tcp://*:1"}, {}) == "tcp://*:1"
@@ -130,3 +134,24 @@ def test_nixl_pending_sends_is_the_map_the_workers_take_deadlines_from():
         connector_scheduler = Sched()
 
     assert compat.nixl_pending_sends(Conn()) == {"r": 1.0}
+
+
+def test_every_module_of_the_connectors_is_a_vllm_adapter():
+    """connectors/ holds only vLLM adapters: each module imports vLLM (at module level or
+    in the function that needs it); engine-agnostic logic belongs in kvtier/."""
+    import ast
+    from pathlib import Path
+
+    import kvtier.connectors as pkg
+
+    def imports_vllm(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                return True
+        return False
+
+    modules = sorted(Path(pkg.__file__).parent.glob("*.py"))
+    assert len(modules) >= 5
+    assert [p.name for p in modules if not imports_vllm(p)] == []

@@ -1,22 +1,51 @@
-"""vLLM-shaped fake engines (and indexer) behind one httpx transport, for router tests.
+"""The fake vLLM P/D engine: what the router talks to where no model runs.
 
-``FakeEngines`` answers what the router sends to a 1P1D-style bidirectional NIXL stack:
-prefill legs (``max_tokens=1``, ``do_remote_decode``) return P's block params, decode legs
-return the generated ids and D's retained-KV params, ``/tokenize`` tokenizes characters, and
-``/v1/route`` (or, with ``route=False``, only ``/v1/lookup`` / ``/v1/source``) answer as the
-indexer was told to (calls kept in ``indexer_calls``). Every engine call is kept
-in ``calls`` (with its headers); ``fail(url, ...)`` queues faults for the next completion calls
+Two faces of one fake, for the two ways a test or benchmark reaches an engine:
+
+**In process** (unit and integration tests): ``FakeEngines``, one ``httpx`` transport
+answering for every engine (and the indexer) of a 1P1D-style bidirectional NIXL stack, at
+the logical URLs ``P_URL``, ``P2_URL``, ``D_URL`` and ``IDX_URL``. Prefill legs
+(``max_tokens=1``, ``do_remote_decode``) return P's block params, decode legs return the
+generated ids (``GEN``) and D's retained-KV params, ``/tokenize`` tokenizes characters,
+and ``/v1/route`` answers as the indexer was told to (calls kept in ``indexer_calls``).
+Every engine call is kept in ``calls`` (with its headers); ``fail(url, ...)`` queues faults for the next completion calls
 to one engine: ``"connect"``, ``"timeout"``, an HTTP status, or, for what a broken engine
 sends with a 200: ``"garbage"`` (not JSON / not SSE), ``"error_event"`` (a stream whose first
 event is an error), ``"midstream"`` (a stream whose connection breaks after one event),
 ``"cut"`` (a stream that ends after one event without ``[DONE]``) and ``"bad_event"`` (a
-stream whose second event is not SSE).
+stream whose second event is not SSE). Streamed answers arrive content chunk by content
+chunk. ``feed`` (when set) is called, as ``KVTierNixlConnector`` would publish, with the
+engine request id vLLM derives from the leg's ``X-Request-Id`` and D's retained params, for
+every streamed decode leg; ``stream_params=True`` also puts those params into the stream's
+last chunk, as an engine that streams them would.
 
-Streamed answers arrive content chunk by content chunk. ``feed`` (when set) is called, as
-``KVTierNixlConnector`` would publish, with the engine request id vLLM derives from the leg's
-``X-Request-Id`` and D's retained params, for every streamed decode leg;
-``stream_params=True`` also puts those params into the stream's last chunk, as an engine
-that streams them would.
+**Out of process** (``benchmarks/bench_router.py``, ``tests/integration/test_router_workers.py``):
+a real HTTP server, a load-generator target fast enough to isolate a proxy's own cost::
+
+    python tests/fakes/engine.py --port 9100 --tokens 16 \\
+        [--token-delay-ms 2] [--params-feed tcp://127.0.0.1:9190]
+
+(or ``python -m tests.fakes.engine`` from the repository root). It answers
+``/v1/completions`` and ``/v1/chat/completions`` (streaming and not) with ``--tokens`` tokens
+(``"tok "`` each, ids 100, 101, ...), ``/health``, ``/v1/models`` and ``/tokenize`` (40 ids
+for any text), and mimics vLLM's P/D fields: a P/D leg gets ``kv_transfer_params`` back;
+``return_token_ids`` adds token ids. It keeps no calls and injects no faults.
+``--token-delay-ms`` spaces the tokens (a real stream: the first content chunk comes one
+delay after the request). ``--params-feed tcp://HOST:PORT`` makes it a decode node with
+kvtier's params feed (``kvtier.wire.params_feed``): for every finished decode leg (a request
+carrying ``kv_transfer_params``), streamed or not, it publishes the params it retained and
+the request's token ids (prompt + generated) under a vLLM-shaped engine request id
+(``chatcmpl-<X-Request-Id>-<8 hex>``), just before the stream's ``[DONE]``. Prompt ids: the
+request's token-id prompt, else ``/tokenize``'s.
+
+The two faces answer alike in shape, not in content: the in-process one is exact and
+recorded (tests assert on every id and call), the server is cheap per request (a benchmark
+measures the proxy, not the fake). ``benchmarks/`` may use this module (it runs the server
+by path); it imports nothing from ``tests``, so running it as a script needs no path setup.
+
+Threading model: ``FakeEngines`` is driven by the client's event loop (httpx calls
+``handle_async_request`` there); a test reads ``calls`` between requests. The server is one
+uvicorn event loop; its counter and the ZMQ PUB socket are touched only there.
 """
 
 from __future__ import annotations
@@ -62,7 +91,6 @@ class FakeEngines(httpx.AsyncBaseTransport):
     faults: dict[str, list[Fault]] = field(default_factory=dict)
     lookup: list[dict[str, Any]] = field(default_factory=list)  # indexer "matches"
     source: dict[str, Any] | None = None  # indexer "source"
-    route: bool = True  # the indexer answers /v1/route (False: one from before it, 404)
     indexer_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     feed: Callable[[str, FinishedParams], None] | None = None  # (engine url, message)
     stream_params: bool = False
@@ -90,17 +118,11 @@ class FakeEngines(httpx.AsyncBaseTransport):
         if path.startswith("/v1/") and request.url.host == "idx.test":
             self.indexer_calls.append((path, body))
         if path == "/v1/route":
-            if not self.route:
-                return httpx.Response(404, json={"error": "not found"})
             src = {"tier": "CPU", **self.source} if self.source else None
             return httpx.Response(200, json={
                 "block_size": BLOCK_SIZE, "source": src,
                 "matches": [{"tier": "GPU", **m} for m in self.lookup],
                 "target_matched_tokens": 0, "delta": src["matched_tokens"] if src else 0})
-        if path == "/v1/lookup":
-            return httpx.Response(200, json={"block_size": BLOCK_SIZE, "matches": self.lookup})
-        if path == "/v1/source":
-            return httpx.Response(200, json={"source": self.source})
         self.calls.append(Call(url, path, body, {k.lower(): v for k, v in request.headers.items()},
                                raw))
         if path == "/tokenize":
@@ -292,3 +314,143 @@ def _broken(fault: str, stream: bool, request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=_Events([_CHUNK, b"\x00\xffjunk\n\n",
                                                    b"data: [DONE]\n\n"]), headers=sse)
     raise ValueError(f"unknown fault {fault!r}")
+
+
+# ---- out of process: the load-generator target ------------------------------------------
+PROMPT_IDS = list(range(40))  # what the server's /tokenize answers for any text
+
+
+def server_app(tokens: int, token_delay_s: float, name: str,
+               params_feed: str | None = None) -> Any:
+    """The out-of-process face as a Starlette app (see the module docstring)."""
+    import asyncio
+    import time
+    import uuid
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    counter = {"n": 0}
+    publish: Callable[[Request, dict[str, Any], bool, dict[str, Any] | None, int], None] | None
+    publish = None
+    if params_feed:
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 4096)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(params_feed)
+
+        def publish(request: Request, body: dict[str, Any], chat: bool,
+                    kvp: dict[str, Any] | None, n: int) -> None:
+            if kvp is None:
+                return
+            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            eid = (f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}" if chat
+                   else f"cmpl-{rid}-0-{uuid.uuid4().hex[:8]}")
+            prompt = body.get("prompt")
+            ids = (prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+                   else PROMPT_IDS)
+            msg = FinishedParams(eid, kvp, (*ids, *range(100, 100 + n)))
+            try:
+                sock.send_multipart(msg.frames(), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def kv(body: dict[str, Any]) -> dict[str, Any] | None:
+        p = body.get("kv_transfer_params") or {}
+        if p.get("do_remote_decode") or p.get("do_remote_prefill"):
+            counter["n"] += 1
+            return {"do_remote_prefill": bool(p.get("do_remote_decode")),
+                    "do_remote_decode": not p.get("do_remote_decode"),
+                    "remote_block_ids": [[1, 2, 3]], "remote_engine_id": name,
+                    "remote_request_id": f"r{counter['n']}", "remote_host": "127.0.0.1",
+                    "remote_port": 5600, "remote_num_tokens": 40, "tp_size": 1}
+        return None
+
+    async def gen(request: Request) -> Response:
+        body = await request.json()
+        chat = request.url.path.endswith("chat/completions")
+        n = min(int(body.get("max_tokens") or tokens), tokens)
+        rid = f"cmpl-{time.monotonic_ns()}"
+        created = int(time.time())
+        model = body.get("model", "fake")
+        if body.get("stream"):
+            kvp = kv(body) if publish is not None else None
+
+            async def events() -> AsyncIterator[bytes]:
+                for i in range(n):
+                    if token_delay_s:
+                        await asyncio.sleep(token_delay_s)
+                    if chat:
+                        ch = {"index": 0, "delta": {"content": "tok "}, "finish_reason":
+                              "length" if i == n - 1 else None}
+                    else:
+                        ch = {"index": 0, "text": "tok ", "finish_reason":
+                              "length" if i == n - 1 else None}
+                    obj = {"id": rid, "object": "chat.completion.chunk" if chat else
+                           "text_completion", "created": created, "model": model, "choices": [ch]}
+                    yield ("data: " + json.dumps(obj) + "\n\n").encode()
+                if publish is not None:
+                    publish(request, body, chat, kvp, n)
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        if token_delay_s:
+            await asyncio.sleep(token_delay_s * n)
+        ch: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            ch["message"] = {"role": "assistant", "content": "tok " * n}
+        else:
+            ch["text"] = "tok " * n
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+               "created": created, "model": model, "choices": [ch],
+               "usage": {"prompt_tokens": 40, "completion_tokens": n, "total_tokens": 40 + n},
+               "kv_transfer_params": kv(body)}
+        if publish is not None and body.get("kv_transfer_params"):
+            publish(request, body, chat, out["kv_transfer_params"], n)
+        if body.get("return_token_ids"):
+            ch["token_ids"] = list(range(100, 100 + n))
+            if chat:
+                out["prompt_token_ids"] = list(range(40))
+            else:
+                ch["prompt_token_ids"] = list(range(40))
+        return JSONResponse(out)
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def tokenize(_: Request) -> Response:
+        return JSONResponse({"count": 40, "tokens": PROMPT_IDS, "max_model_len": 4096})
+
+    return Starlette(routes=[
+        Route("/v1/completions", gen, methods=["POST"]),
+        Route("/v1/chat/completions", gen, methods=["POST"]),
+        Route("/health", health), Route("/v1/models", models),
+        Route("/tokenize", tokenize, methods=["POST"]),
+    ])
+
+
+def main() -> None:
+    import argparse
+
+    import uvicorn
+
+    ap = argparse.ArgumentParser(description="the fake vLLM P/D engine as an HTTP server")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--token-delay-ms", type=float, default=0.0)
+    ap.add_argument("--name", default="fake")
+    ap.add_argument("--params-feed", default=None, metavar="tcp://HOST:PORT",
+                    help="bind kvtier's finished-request params feed here (a decode node)")
+    a = ap.parse_args()
+    uvicorn.run(server_app(a.tokens, a.token_delay_ms / 1e3, a.name, a.params_feed),
+                host="127.0.0.1", port=a.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

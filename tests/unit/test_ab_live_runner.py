@@ -1,5 +1,6 @@
-"""The live runner's bookkeeping without servers: device ledger, per-turn records (reuse from the
-router's headers, timing and retention from the legs), the leg tap, transfer split."""
+"""The live runner's bookkeeping without servers (kvtier.ab.live.measure, .stacks, .runner):
+device ledger, per-turn records (reuse from the router's headers, timing and retention from the
+legs), the leg tap, transfer split."""
 
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from kvtier.ab.live.runner import (
+from kvtier.ab.live.measure import (
     DeviceLedger,
     Leg,
     LegTap,
-    _complete,
-    _record,
-    _split_transfer,
-    indexer_for,
-    router_instances,
+    complete_turn,
+    split_transfer,
+    turn_record,
 )
+from kvtier.ab.live.stacks import indexer_for, router_instances
 from kvtier.ab.records import TurnRecord
 from kvtier.ids import Outcome, ReusePath
 from kvtier.wire.reuse_headers import ReuseHeaderError, ReuseReport
@@ -50,7 +50,7 @@ def test_record_takes_reuse_from_the_router_and_timing_from_the_legs() -> None:
     L.retained("cid", 300, now=0.0)
     reuse = ReuseReport(ReusePath.DP_READ, 288, Outcome.TRIMMED)
     dec = _dec({"remote_block_ids": [3], "remote_num_tokens": 415})
-    r = _record("device-ttl", "c0", 1, 0.9, 1.0, 2.0, [_pre(), dec], 400, [5] * 16, reuse, "",
+    r = turn_record("device-ttl", "c0", 1, 0.9, 1.0, 2.0, [_pre(), dec], 400, [5] * 16, reuse, "",
                 L, "cid")
     assert (r.reuse_path, r.reused_tokens, r.computed_tokens) == ("dp_read", 288, 112)
     assert r.outcome == "trimmed" and r.ok and r.response_tokens == 16
@@ -63,7 +63,7 @@ def test_record_counts_what_the_engine_reused_over_what_the_router_planned() -> 
     # (a partial load): the record keeps the engine's count, and the router's path.
     reuse = ReuseReport(ReusePath.DP_READ, 288, Outcome.FULL)
     pre = Leg("prefill-0", "prefill", 1.0, 1.25, True, None, cached_tokens=96)
-    r = _record("device-ttl", "c0", 1, 0.0, 1.0, 2.0, [pre, _dec(None)], 400, [1], reuse, "",
+    r = turn_record("device-ttl", "c0", 1, 0.0, 1.0, 2.0, [pre, _dec(None)], 400, [1], reuse, "",
                 DeviceLedger(32, 100.0), "cid")
     assert (r.reuse_path, r.reused_tokens, r.computed_tokens) == ("dp_read", 96, 304)
 
@@ -72,7 +72,7 @@ def test_record_without_reuse_read_keeps_the_ledger() -> None:
     L = DeviceLedger(32, 100.0)
     L.retained("cid", 64, now=0.0)
     reuse = ReuseReport(ReusePath.P2P, 64, Outcome.EXPIRED)
-    r = _record("tiered", "c0", 1, 0.0, 1.0, 2.0, [_pre(), _dec(None)], 100, [1], reuse, "",
+    r = turn_record("tiered", "c0", 1, 0.0, 1.0, 2.0, [_pre(), _dec(None)], 100, [1], reuse, "",
                 L, "cid")
     assert (r.reuse_path, r.outcome, r.reused_tokens) == ("p2p", "expired", 64)
     assert L.blocks(3.0) == 2  # not a D->P read: D's blocks stay until their TTL
@@ -82,11 +82,11 @@ def test_failed_turn_and_direct_fallback() -> None:
     L = DeviceLedger(32, 100.0)
     # no prefill leg (the router fell back to one instance): ttft = e2e
     direct = Leg("decode-0", "direct", 0.0, 2.0, True, None)
-    d = _record("x", "c0", 1, 0.0, 0.0, 2.0, [direct], 10, [1],
+    d = turn_record("x", "c0", 1, 0.0, 0.0, 2.0, [direct], 10, [1],
                 ReuseReport(ReusePath.NONE, 0, Outcome.STALE), "", L, "z")
     assert d.ttft_s == d.e2e_s and d.reuse_path == "none" and d.outcome == "stale" and d.ok
     # the turn failed: no decision known, nothing reused
-    f = _record("x", "c0", 1, 0.0, 0.0, 2.0, [], 10, None, None, "boom", L, "z")
+    f = turn_record("x", "c0", 1, 0.0, 0.0, 2.0, [], 10, None, None, "boom", L, "z")
     assert (f.reuse_path, f.outcome, f.reused_tokens, f.computed_tokens) == ("none", "none", 0, 10)
     assert not f.ok and f.error == "boom" and L.blocks(0.0) == 0
 
@@ -95,12 +95,12 @@ def test_transfer_split_by_reused_tokens() -> None:
     L = DeviceLedger(32, None)
 
     def rec(conv: str, path: ReusePath, n: int) -> TurnRecord:
-        return _record("s", conv, 1, 0, 0, 1, [_pre()], 400, [1],
+        return turn_record("s", conv, 1, 0, 0, 1, [_pre()], 400, [1],
                        ReuseReport(path, n, Outcome.NONE), "", L, conv)
 
     rs = [rec("c", ReusePath.DP_READ, 100), rec("d", ReusePath.P2P, 300),
           rec("e", ReusePath.LOCAL, 50)]
-    _split_transfer(rs, 0.4)
+    split_transfer(rs, 0.4)
     assert [r.transfer_s for r in rs] == [pytest.approx(0.1), pytest.approx(0.3), 0.0]
 
 
@@ -115,13 +115,13 @@ def _router(headers: dict[str, str]) -> httpx.Client:
 
 def test_complete_reads_the_routers_decision() -> None:
     with _router({"x-kvtier-reuse": "p2p; tokens=96", "x-kvtier-outcome": "none"}) as c:
-        ids, reuse = _complete(c, "m", "cid", "rid-1", [1, 2, 3], 2)
+        ids, reuse = complete_turn(c, "m", "cid", "rid-1", [1, 2, 3], 2)
     assert ids == [7, 8] and reuse == ReuseReport(ReusePath.P2P, 96, Outcome.NONE)
 
 
 def test_complete_without_the_headers_is_a_clear_error() -> None:
     with _router({}) as c, pytest.raises(ReuseHeaderError, match="no x-kvtier-reuse header"):
-        _complete(c, "m", "cid", "rid-1", [1, 2, 3], 2)
+        complete_turn(c, "m", "cid", "rid-1", [1, 2, 3], 2)
 
 
 def test_leg_tap_records_roles_timing_and_the_decode_params() -> None:
@@ -181,10 +181,9 @@ def _fake_stack(kv_config: dict) -> SimpleNamespace:
 
 
 def test_router_gets_the_decode_nodes_lease_endpoints_and_the_adaptive_policy() -> None:
-    from kvtier.router.config import RouterConfig
-
     from kvtier.ab.strategies import builtin
     from kvtier.cost.model import CostModel, LinkModel
+    from kvtier.router.config import RouterConfig
 
     cm = CostModel(kv_bytes_per_token=2048, prefill_b_s_per_token=2e-4,
                    reads={"dp_read": LinkModel(setup_s=0.01, bytes_per_s=4e9),
@@ -205,13 +204,13 @@ def test_router_gets_the_decode_nodes_lease_endpoints_and_the_adaptive_policy() 
 
 def test_router_cost_reports_the_refits_and_the_model_in_use():
     import httpx
-    from kvtier.router.costs import RouterCost
-    from kvtier.router.metrics import RouterMetrics
     from prometheus_client import generate_latest
 
     from kvtier.ab.live.runner import router_cost
     from kvtier.cost.model import CostModel, LinkModel
     from kvtier.ids import ReusePath
+    from kvtier.router.costs import RouterCost
+    from kvtier.router.metrics import RouterMetrics
 
     deployed = CostModel(kv_bytes_per_token=2048, prefill_a_s=0.5, prefill_b_s_per_token=1e-4,
                          reads={"dp_read": LinkModel(setup_s=0.01, bytes_per_s=4e9)})

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Self
 
 import pytest
+
 from kvtier.router.retry import Failure
 from kvtier.router.upstream import AiohttpUpstream, HttpxUpstream, Upstream, UpstreamIOError
 

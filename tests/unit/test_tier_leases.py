@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from kvtier.leases import LeaseMetricsServer, LeaseServer, LeaseTable
+from kvtier.tier.leases import LeaseMetricsServer, LeaseServer, LeaseTable
 from kvtier.wire.leases import (
     LeaseReply,
     LeaseRequest,

@@ -54,11 +54,10 @@ def _keys():
 
 def _engine(tag: str, kv):
     """(TierWorker, HostTier, NixlPool): the two halves of one engine's connector."""
-    from kvtier.connectors.tier_worker import TierWorker
-
     from kvtier.tier.manager import HostTier
     from kvtier.tier.nixl import NixlPool
     from kvtier.tier.pool import HostPool
+    from kvtier.tier.worker import TierWorker
 
     w = TierWorker(tag, SLOTS, _slot_bytes(), NUM_BLOCKS, tuple(kv))
     w.register_kv_caches(kv)
@@ -68,8 +67,7 @@ def _engine(tag: str, kv):
 
 
 def _source(device: str, tag: str, port: int, conn) -> None:
-    from kvtier.connectors.tier_worker import StoreOp
-
+    from kvtier.tier.ops import StoreOp
     from kvtier.tier.peer import PeerServer
 
     kv = _caches(device, seed=11)
@@ -92,9 +90,9 @@ def _source(device: str, tag: str, port: int, conn) -> None:
 def peer_roundtrip(device: str) -> None:
     """The whole check; ``device="cpu"`` runs the same steps without a GPU (dry run)."""
     import torch
-    from kvtier.connectors.tier_worker import LoadOp
 
     from kvtier.runtime import free_ports
+    from kvtier.tier.ops import LoadOp
     from kvtier.tier.peer import PeerClient
 
     port = free_ports(1)[0]

@@ -6,11 +6,11 @@ import asyncio
 import time
 
 import pytest
-from kvtier.router.leases import LeaseKeeper, next_round
 
 from kvtier.ids import PodId
-from kvtier.leases import LeaseServer, LeaseTable
+from kvtier.router.leases import LeaseKeeper, next_round
 from kvtier.runtime import free_ports
+from kvtier.tier.leases import LeaseServer, LeaseTable
 from kvtier.wire.leases import ReleaseReason
 
 D = PodId("decode-0")

@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.cost.reuse import align_down, common_prefix_len, reusable_tokens
+from kvtier.cost.reuse import align_down, reusable_tokens
+from kvtier.router.store import _common_prefix
 
 
 @pytest.mark.parametrize(
@@ -39,6 +41,7 @@ def test_negative_counts_rejected():
 
 @given(st.lists(st.integers(0, 3), max_size=600), st.lists(st.integers(0, 3), max_size=600))
 def test_common_prefix_len(a, b):
-    n = common_prefix_len(a, b)
+    """The router's prefix proof (``prove_prefix``) trims retained KV to this length."""
+    n = _common_prefix(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
     assert a[:n] == b[:n]
     assert n == min(len(a), len(b)) or a[n] != b[n]
