@@ -40,11 +40,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvtier.ab.compare import intervals_markdown, pairwise_markdown
 from kvtier.ab.records import RunResult
 from kvtier.ab.regimes import RegimeSettings, save_regime
-from kvtier.ab.report import load_table
-from kvtier.ab.targets import evaluate, markdown
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, WaitDist, synthetic
 
 REGIMES: dict[str, tuple[SyntheticTraceConfig, RegimeSettings]] = {
@@ -126,23 +123,12 @@ def load(d: Path) -> tuple[dict, list[RunResult]]:
 
 
 def table(args: list[str]) -> None:
+    """The regime tables, as `kvtier ab-report --all` renders them (`regime-table.md`)."""
+    from kvtier.ab.live.regen import load_run, regime_table
+
     for arg in args:
         name, _, d = arg.partition("=")
-        meta, results = load(Path(d))
-        env = meta.get("environment", {})
-        reps = max((int(r.meta.get("repeats", 1)) for r in results), default=1)
-        print(f"\n### {name}: {meta.get('trace')} (time scale {meta.get('time_scale')}, "
-              f"{reps} repeat(s), commit {str(env.get('git_commit', '?'))[:10]})\n")
-        print(intervals_markdown(results))
-        print()
-        print(pairwise_markdown(results))
-        print()
-        print(load_table(results))
-        print()
-        print(markdown(evaluate(results)))
-        if meta.get("adaptive"):
-            for k, a in meta["adaptive"].items():
-                print(f"\n{k}: TTL {a.get('decode_ttl_s')} s; {a.get('ttl_choice', '')}")
+        print("\n" + regime_table(name, load_run(Path(d))))
 
 
 def main(argv: list[str]) -> int:

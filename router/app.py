@@ -63,6 +63,7 @@ from kvtier.router.requests import (
     parse_inbound,
 )
 from kvtier.router.responses import add_routes as add_responses_routes
+from kvtier.router.retention import Released
 from kvtier.wire.reuse_headers import ReuseReport
 
 log = logging.getLogger("kvtier.router")
@@ -230,10 +231,14 @@ class _Api:
         conv = request.path_params["conversation_id"]
         if not conv or len(conv) > MAX_CONVERSATION_ID_LEN:
             return self.error(400, "invalid conversation id")
-        if not await self.router.close(tenant, ConversationId(conv)):
+        released = await self.router.close(tenant, ConversationId(conv))
+        if released is None:
             return self.error(404, f"no retained conversation {conv!r}", "not_found_error")
-        log.info("conversation closed", extra={"conversation_id": conv})
-        return JSONResponse({"id": conv, "object": "conversation.deleted", "deleted": True})
+        log.info("conversation closed", extra={"conversation_id": conv,
+                                               "device_blocks": released.value})
+        return JSONResponse({"id": conv, "object": "conversation.deleted", "deleted": True,
+                             "device_blocks_released": released is Released.RELEASED,
+                             "device_blocks": released.value, "detail": released.detail})
 
     async def models(self, request: Request) -> Response:
         if self.authorize(request) is None:
@@ -273,6 +278,7 @@ class _Api:
         ok = "decode" not in down
         return JSONResponse({"status": "ok" if not down else "degraded", "down": down,
                              "instances": inst, "dependencies": deps,
+                             "decode_capabilities": router.capabilities.describe(),
                              "conversations": stats.entries},
                             status_code=200 if ok else 503)
 

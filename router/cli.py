@@ -1,7 +1,8 @@
 """``kvtier router``: run the KV-aware P/D router.
 
     kvtier router --config FILE
-    kvtier router --prefill URL [--prefill URL ...] --decode URL [...] \\
+    kvtier router [--stack-state FILE]       # the instances of `kvtier stack up`
+    kvtier router --prefill URL [--prefill URL ...] --decode URL[,feed=..,lease=..] [...] \\
                   [--indexer URL] [--host 127.0.0.1] [--port 8000] [--api-key KEY ...] \\
                   [--store memory|redis://HOST:PORT/DB] [--workers N]
 
@@ -24,7 +25,8 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the router's modules load only when `kvtier router` runs
     from fastapi import FastAPI
@@ -32,6 +34,7 @@ if TYPE_CHECKING:  # the router's modules load only when `kvtier router` runs
     from kvtier.router.config import RouterConfig
 
 _CONFIG_ENV = "KVTIER_ROUTER_CONFIG_JSON"  # the config handed to --workers processes
+DEFAULT_STACK_STATE = ".kvtier/stack.json"  # where `kvtier stack up` writes its state
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -53,8 +56,17 @@ class JsonFormatter(logging.Formatter):
 def register(subparsers: argparse._SubParsersAction) -> None:
     ap = subparsers.add_parser("router", help="run the KV-aware P/D router (OpenAI-compatible)")
     ap.add_argument("--config", help="YAML or JSON RouterConfig file")
-    ap.add_argument("--prefill", action="append", default=None, metavar="URL")
-    ap.add_argument("--decode", action="append", default=None, metavar="URL")
+    ap.add_argument("--prefill", action="append", default=None, metavar="URL",
+                    help="a prefill instance (repeatable)")
+    ap.add_argument("--decode", action="append", default=None,
+                    metavar="URL[,feed=tcp://H:P][,lease=tcp://H:P]",
+                    help="a decode instance (repeatable), with its params feed and lease "
+                         "server when not in the stack state")
+    ap.add_argument("--stack-state", default=None, metavar="FILE",
+                    help="a `kvtier stack up` state file: its instances (with each decode "
+                         "node's feed and lease), or, with --prefill/--decode, the feed and "
+                         f"lease of the URLs it knows (default {DEFAULT_STACK_STATE} when it "
+                         "exists and no --config is given)")
     ap.add_argument("--indexer", default=None, metavar="URL")
     ap.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=None, help="port (default 8000)")
@@ -109,9 +121,55 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             cfg = RouterConfig.model_validate({**cfg.model_dump(), "timeouts": merged})
         return cfg
     raw = {k: v for k, v in overrides.items() if v is not None}
+    state = _stack_state(getattr(args, "stack_state", None))
+    if state is not None:
+        raw.update(with_stack_state(raw.pop("prefill", None), raw.pop("decode", None), state))
     if timeouts:
         raw["timeouts"] = timeouts
     return RouterConfig.model_validate(raw)
+
+
+def _stack_state(path: str | None) -> list[dict[str, Any]] | None:
+    """The router instances of a ``kvtier stack up`` state file; None when there is none to
+    read (no ``--stack-state`` and no default file)."""
+    if path is None:
+        if not os.path.exists(DEFAULT_STACK_STATE):
+            return None
+        path = DEFAULT_STACK_STATE
+    try:
+        state = json.loads(Path(path).read_text())
+        insts = state["router"]["instances"]
+    except OSError as e:
+        raise ValueError(f"--stack-state {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"--stack-state {path}: not a `kvtier stack up` state file "
+                         "(no router.instances)") from None
+    if not isinstance(insts, list):
+        raise ValueError(f"--stack-state {path}: router.instances is not a list")
+    return insts
+
+
+def with_stack_state(prefill: list[str] | None, decode: list[str] | None,
+                     state: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``instances`` (or ``prefill``/``decode``) of a config from the flags and a stack's
+    state: no flags, the stack's instances; flags, those instances, each decode node given
+    the feed and lease the state knows for its URL (what the flag says wins)."""
+    from kvtier.router.config import parse_instance
+
+    if not prefill and not decode:
+        return {"instances": state}
+    known = {str(i.get("url", "")).rstrip("/"): i for i in state}
+    out: dict[str, Any] = {"prefill": prefill or []}
+    decodes: list[dict[str, Any]] = []
+    for n, spec in enumerate(decode or []):
+        given = parse_instance(spec)
+        inst: dict[str, Any] = {"name": f"decode-{n}"}
+        found = known.get(given["url"].rstrip("/"), {})
+        inst.update({k: found[k] for k in ("params_feed", "lease") if found.get(k)})
+        inst.update(given)
+        decodes.append(inst)
+    out["decode"] = decodes
+    return out
 
 
 def _setup_logging(cfg: RouterConfig) -> None:

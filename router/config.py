@@ -224,7 +224,8 @@ class RouterConfig(BaseModel):
         for role in ("prefill", "decode"):
             for i, item in enumerate(data.pop(role, []) or []):
                 if isinstance(item, str):
-                    insts.append({"name": f"{role}-{i}", "url": item, "role": role})
+                    insts.append({"name": f"{role}-{i}", "role": role,
+                                  **parse_instance(item)})
                 else:
                     insts.append({"role": role, **item})
         data["instances"] = insts
@@ -256,6 +257,25 @@ class RouterConfig(BaseModel):
                 "use a shared store (store: redis://HOST:PORT/DB) or workers: 1")
         return self
 
+    def capability_warnings(self) -> dict[PodId, list[str]]:
+        """Per decode instance, what the config asks of it that it cannot give: a streamed
+        capture without a params feed (the turn is served buffered: one chunk at the end),
+        leases asked for (``decode_lease_s`` given) without a lease endpoint (vLLM's TTL
+        holds the blocks; closing a conversation frees nothing)."""
+        out: dict[PodId, list[str]] = {}
+        asked_leases = "decode_lease_s" in self.model_fields_set
+        for inst in self.decode_instances:
+            why: list[str] = []
+            if self.stream_capture == "stream" and inst.params_feed is None:
+                why.append("no params feed: a streamed turn in a conversation is served "
+                           "buffered (one chunk at the end) to keep its KV for the next turn")
+            if asked_leases and inst.lease is None:
+                why.append("no lease endpoint: decode_lease_s has no effect there and its "
+                           "retained blocks stay until vLLM's decoder_kv_blocks_ttl")
+            if why:
+                out[inst.name] = why
+        return out
+
     @property
     def prefill_instances(self) -> tuple[InstanceConfig, ...]:
         return tuple(i for i in self.instances if i.role in (Role.PREFILL, Role.BOTH))
@@ -267,6 +287,24 @@ class RouterConfig(BaseModel):
     @property
     def entry_ttl_s(self) -> float:
         return self.decode_kv_ttl_s - self.ttl_margin_s
+
+
+_INSTANCE_KEYS = {"feed": "params_feed", "params_feed": "params_feed", "lease": "lease",
+                  "name": "name"}
+
+
+def parse_instance(spec: str) -> dict[str, str]:
+    """``URL[,feed=tcp://HOST:PORT][,lease=tcp://HOST:PORT][,name=NAME]`` (the CLI's
+    ``--decode``/``--prefill`` form) -> an instance's fields."""
+    url, *opts = (part.strip() for part in spec.split(","))
+    out = {"url": url}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in _INSTANCE_KEYS or not value:
+            raise ValueError(f"instance {spec!r}: expected URL[,feed=tcp://HOST:PORT]"
+                             f"[,lease=tcp://HOST:PORT][,name=NAME], got {opt!r}")
+        out[_INSTANCE_KEYS[key]] = value
+    return out
 
 
 def load_config(path: str | Path, **overrides: Any) -> RouterConfig:

@@ -53,6 +53,7 @@ from typing import Any
 import httpx
 
 from kvtier.ids import ConversationId, Outcome, PodId
+from kvtier.router.capabilities import DecodeCapabilities
 from kvtier.router.config import RouterConfig
 from kvtier.router.costs import RouterCost
 from kvtier.router.decode import DecodeLeg
@@ -65,7 +66,7 @@ from kvtier.router.prefill import Prefilled, PrefillLeg
 from kvtier.router.relay import Relay
 from kvtier.router.reply import Refusal, Reply, tenant_of
 from kvtier.router.requests import Inbound
-from kvtier.router.retention import Retention
+from kvtier.router.retention import Released, Retention
 from kvtier.router.retry import RetryPolicies
 from kvtier.router.store import (
     ConversationStore,
@@ -94,7 +95,8 @@ class Router:
             config.store, max_entries=config.store_max_entries,
             max_bytes=config.store_max_bytes, block_size=config.block_size,
             ttl_s=config.entry_ttl_s, namespace=config.store_namespace,
-            timeout_s=config.timeouts.store_s, on_call=self._store_call)
+            timeout_s=config.timeouts.store_s, on_call=self._store_call,
+            on_evict=lambda entry: self.retention.evicted(entry))
         self.metrics.store_backend.labels(self.store.name).set(1)
         self._dropped_seen = (0, 0)  # the store's (evicted, expired) already counted
         self._bg: set[asyncio.Task[Any]] = set()
@@ -104,6 +106,7 @@ class Router:
         self.feed = ParamsFeed({i.name: i.params_feed for i in config.decode_instances
                                 if i.params_feed}, self.metrics)
         self.retention = Retention(config, self.metrics)
+        self.capabilities = DecodeCapabilities(config, self.retention.keeper)
         self.cost = RouterCost(config.cost_model, self.metrics, refit=config.cost_refit,
                                window=config.cost_refit_window,
                                min_samples=config.cost_refit_min_samples,
@@ -126,10 +129,12 @@ class Router:
             self.watchdog.start()
         await self.feed.start()
         await self.retention.start()
+        self.capabilities.start()
         if health_checks:
             self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
+        await self.capabilities.stop()
         await self.feed.stop()
         # A memory store dies with this process: nobody will offer its turns again.
         await self.retention.stop(release_all=isinstance(self.store, ConversationStore))
@@ -240,15 +245,14 @@ class Router:
         turn.decide(decision, refusal)
         return await self._pd(turn)
 
-    async def close(self, tenant: str, conv: ConversationId) -> bool:
+    async def close(self, tenant: str, conv: ConversationId) -> Released | None:
         """The client closed ``conv`` (``DELETE /v1/conversations/{id}``): forget its retained
-        turn and release its decode blocks now. False when this tenant has no such
-        conversation retained."""
+        turn and release its decode blocks now, and say whether they were. None when this
+        tenant has no such conversation retained."""
         entry, _ = await self.store.atake(tenant, conv)
         if entry is None:
-            return False
-        await self.retention.close(entry)
-        return True
+            return None
+        return await self.retention.close(entry)
 
     def _looked_up(self, entry: RetainedKV | None, expired: bool, session: str) -> None:
         result = ("hit" if entry is not None else "expired" if expired

@@ -1,7 +1,7 @@
 """The router's side of decode leases: renew what is worth holding, release what is not.
 
 A decode node running ``KVTierNixlConnector`` with ``decode_lease_s`` holds each retained turn
-under a lease (``kvtier.leases``) that runs out unless renewed. ``LeaseKeeper`` tracks, per
+under a lease (``kvtier.tier.leases``) that runs out unless renewed. ``LeaseKeeper`` tracks, per
 decode node, the engine request ids whose params the router keeps for a next turn, and every
 ``lease_s / 3`` renews those still worth holding in one message per node, all nodes at once
 and on a fixed cadence, so one slow or dead node neither delays the others nor pushes the
@@ -91,15 +91,22 @@ class LeaseKeeper:
     def tracked(self, pod: PodId) -> list[str]:
         return list(self._held.get(pod, {}))
 
+    def holds(self, pod: PodId, request_id: str) -> bool:
+        """Whether ``request_id`` on ``pod`` is still being renewed."""
+        return request_id in self._held.get(pod, {})
+
     # ---- calls -----------------------------------------------------------------
     async def release(self, pod: PodId, request_ids: Iterable[str],
-                      reason: ReleaseReason) -> None:
+                      reason: ReleaseReason) -> bool:
+        """Give up these turns' leases; True when ``pod``'s lease server confirmed it."""
         ids = tuple(request_ids)
         for rid in ids:
             self.forget(pod, rid)
         if ids and pod in self.endpoints:
             self.on_release(reason, len(ids))
-            await self.call(pod, LeaseRequest(Op.RELEASE, ids, None, reason))
+            reply = await self.call(pod, LeaseRequest(Op.RELEASE, ids, None, reason))
+            return reply is not None and reply.ok
+        return False
 
     async def renew_all(self) -> None:
         """One renewal round: renew what is still worth holding, release the rest; every node

@@ -19,6 +19,14 @@ turn reads D's KV once. A put is one Lua script too (entry, marker, indexes: one
 longest first, the live candidates' entries (at most ``_CANDIDATES``), proven here like the
 memory store's. Memory use is Redis's (its ``maxmemory``); ``store_max_*`` do not apply.
 
+Evictions: Redis drops entries on its own (``PX``; a ``volatile-*`` ``maxmemory`` policy), and
+no router hears of it, so this store never calls the memory store's ``on_evict``. What that
+leaves of a turn's decode lease: an entry's TTL is the router's ``entry_ttl_s``, which also
+bounds the hold (``retention: renew`` holds for exactly that, ``adaptive`` for at most that),
+so the renewing router releases a turn within one renewal round (``decode_lease_s / 3``)
+after Redis expired it. An entry evicted early by ``maxmemory``, or overwritten by a newer
+turn of its conversation, keeps its lease renewed until that hold ends.
+
 Outage: every call has ``timeout_s``; a Redis error or timeout makes the call answer
 "nothing" (put: not stored, take/find: none), sets ``ok`` False with the error, logs one line
 on the change, and skips Redis for ``retry_s`` (each skipped call answers nothing at once).

@@ -19,7 +19,11 @@ long as somebody renews their lease. ``Retention`` is the flow's one handle on t
   instead of offering a read the prefill would decline;
 - ``ended`` is called once per taken turn: a read frees the blocks in vLLM (forget the lease),
   anything else releases them now, with the reason (``moved``, ``dropped``, ``trimmed``);
-- ``close`` releases a conversation the client closed (``DELETE /v1/conversations/{id}``).
+- ``close`` releases a conversation the client closed (``DELETE /v1/conversations/{id}``);
+- ``evicted`` releases a turn the store let go untaken (its entry or byte cap, its expiry, a
+  newer turn stored over it): nobody will offer those blocks again, so they are not renewed
+  until the hold ends. The memory store calls it; Redis expires entries on its own clock,
+  which ends them when their hold ends anyway (``router/redis_store.py``).
 
 Release calls on the request path run in the background: a slow decode node never delays an
 answer. A decode node without a ``lease`` endpoint is left to vLLM's TTL, as before.
@@ -34,6 +38,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from kvtier.cost.hold import HOST_HELD_FRACTION, HoldChoice, HoldPolicy
@@ -47,6 +52,31 @@ from kvtier.transfer_params import NixlParams
 from kvtier.wire.leases import LeaseRequest, Op, ReleaseReason
 
 log = logging.getLogger("kvtier.router.retention")
+
+
+class Released(StrEnum):
+    """What became of a closed conversation's device blocks (``DELETE`` answers it)."""
+
+    RELEASED = "released"                    # the decode node's lease server freed them
+    NO_LEASE_ENDPOINT = "no_lease_endpoint"  # no lease server known: vLLM's TTL frees them
+    UNAVAILABLE = "lease_server_unavailable"  # it did not answer: its lease frees them
+    NOTHING_HELD = "nothing_held"            # the turn kept no device blocks
+
+    @property
+    def detail(self) -> str:
+        return _RELEASED_DETAIL[self]
+
+
+_RELEASED_DETAIL = {
+    Released.RELEASED: "the decode node freed the conversation's blocks",
+    Released.NO_LEASE_ENDPOINT: (
+        "the decode node has no lease endpoint known to the router: its blocks stay until "
+        "vLLM's decoder_kv_blocks_ttl; start it with kvtier's connector "
+        "(configs/nixl-bidirectional-lease.json) and give the router its lease endpoint"),
+    Released.UNAVAILABLE: ("the decode node's lease server did not answer: the blocks are "
+                           "freed when their lease runs out"),
+    Released.NOTHING_HELD: "the conversation held no device blocks",
+}
 
 _MAX_TRACKED = 100_000  # lost leases and last-turn times remembered (oldest forgotten)
 # A prefill declines a D->P read whose deadline is within 5 s (vLLM's
@@ -213,15 +243,27 @@ class Retention:
             return
         self._release_soon(pod, [rid], reason)
 
-    async def close(self, entry: RetainedKV) -> bool:
-        """The client closed the conversation: release its turn now (awaited). True when a
-        lease was released."""
+    async def close(self, entry: RetainedKV) -> Released:
+        """The client closed the conversation: release its turn now (awaited), and say
+        whether the decode node freed its blocks."""
         rid = entry.params.remote_request_id
         self._last.pop((entry.tenant, str(entry.conversation)), None)
-        if rid is None or not self.has(entry.decode_pod):
-            return False
-        await self.keeper.release(entry.decode_pod, [rid], ReleaseReason.CLOSED)
-        return True
+        if rid is None:
+            return Released.NOTHING_HELD
+        if not self.has(entry.decode_pod):
+            return Released.NO_LEASE_ENDPOINT
+        if await self.keeper.release(entry.decode_pod, [rid], ReleaseReason.CLOSED):
+            return Released.RELEASED
+        return Released.UNAVAILABLE
+
+    def evicted(self, entry: RetainedKV) -> None:
+        """The store let ``entry`` go untaken: release its blocks now (in the background; the
+        store calls this inside its update) unless its lease is no longer renewed here
+        (already released, read, lost, or its hold over)."""
+        pod, rid = entry.decode_pod, entry.params.remote_request_id
+        if rid is not None and self.keeper.holds(pod, rid):
+            self.keeper.forget(pod, rid)  # no renewal of it from now on
+            self._release_soon(pod, [rid], ReleaseReason.DROPPED)
 
     def pod_down(self, pod: PodId) -> None:
         """``pod`` is gone, and its leases with it: stop renewing them."""

@@ -24,6 +24,10 @@ which ``prove_prefix`` then checks token by token like a named one.
 The store itself is cachetools' ``TLRUCache`` (each entry expires at its own
 ``expires_at``, least recently stored goes first, sized in bytes) plus an entry
 count cap; it remembers which conversations expired so ``take`` can say so.
+An entry that leaves untaken (the entry or byte cap, its expiry, a newer turn of its
+conversation stored over it) is handed to ``on_evict``: nobody will offer its blocks
+again, so the router releases their decode lease (``Retention.evicted``) instead of
+renewing it until the hold ends. A take or a dead pod's discard is not an eviction.
 
 Backends: ``ConversationBackend`` is what the router uses (async ``a*`` methods, so one
 contract covers this in-process store and ``redis_store.RedisStore``, shared by routers and
@@ -193,7 +197,7 @@ class _Entries(TLRUCache[_Key, RetainedKV]):
     next turn "expired" rather than "nothing retained"."""
 
     def __init__(self, max_entries: int, max_bytes: int, clock: Callable[[], float],
-                 on_drop: Callable[[_Key], None] = lambda _k: None) -> None:
+                 on_drop: Callable[[_Key, RetainedKV], None]) -> None:
         super().__init__(max_bytes, _expiry, clock, _size)
         self.on_drop = on_drop
         # Bounded like the entries: a key is forgotten after max_entries later expiries.
@@ -204,16 +208,16 @@ class _Entries(TLRUCache[_Key, RetainedKV]):
     def expire(self, time: float | None = None) -> list[tuple[_Key, RetainedKV]]:
         gone = super().expire(time)
         self.expired += len(gone)
-        for key, _ in gone:
+        for key, entry in gone:
             self.expired_keys[key] = True
-            self.on_drop(key)
+            self.on_drop(key, entry)
         return gone
 
     def popitem(self) -> tuple[_Key, RetainedKV]:
         # cachetools evicts through popitem, and only the store calls it otherwise.
         item = super().popitem()
         self.evicted += 1
-        self.on_drop(item[0])
+        self.on_drop(*item)
         return item
 
 
@@ -227,14 +231,22 @@ class ConversationStore:
     error: str | None = None
 
     def __init__(self, max_entries: int, max_bytes: int,
-                 clock: Callable[[], float] = time.monotonic, block_size: int = 32) -> None:
+                 clock: Callable[[], float] = time.monotonic, block_size: int = 32,
+                 on_evict: Callable[[RetainedKV], None] = lambda _e: None) -> None:
+        """``on_evict(entry)`` hears every entry that leaves untaken (module docstring); it
+        runs inside the store's update, so it must only schedule work and never raise."""
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.block_size = block_size
-        self._entries = _Entries(max_entries, max_bytes, clock, self._unindex)
+        self.on_evict = on_evict
+        self._entries = _Entries(max_entries, max_bytes, clock, self._evicted)
         # (tenant, chained block digest) -> keys of the entries with that prefix, oldest first
         self._index: dict[tuple[str, bytes], dict[_Key, None]] = {}
         self._hashes: dict[_Key, list[bytes]] = {}
+
+    def _evicted(self, key: _Key, entry: RetainedKV) -> None:
+        self._unindex(key)
+        self.on_evict(entry)
 
     def _unindex(self, key: _Key) -> None:
         for h in self._hashes.pop(key, ()):
@@ -302,8 +314,11 @@ class ConversationStore:
         entries = self._entries
         with entries.timer:  # one instant for the whole update
             entries.expire()
-            entries.pop(key, None)
+            old = entries.pop(key, None)
             self._unindex(key)
+            if old is not None and old.params.remote_request_id != \
+                    entry.params.remote_request_id:
+                self.on_evict(old)  # a newer turn of the conversation replaces it
             entries.expired_keys.pop(key, None)
             # The byte cap is the cache's own; the entry cap is this loop.
             while len(entries) >= self.max_entries:
@@ -367,11 +382,15 @@ class ConversationStore:
 def open_store(url: str, *, max_entries: int, max_bytes: int, block_size: int,
                ttl_s: float, namespace: str, timeout_s: float,
                on_call: Callable[[str, float | None], None] = lambda _op, _s: None,
+               on_evict: Callable[[RetainedKV], None] = lambda _e: None,
                ) -> ConversationBackend:
     """The backend ``url`` names: ``memory`` or ``redis://HOST:PORT/DB``. ``on_call(op,
-    seconds)`` hears every remote call (seconds None: it failed)."""
+    seconds)`` hears every remote call (seconds None: it failed); ``on_evict(entry)`` every
+    entry the memory store lets go untaken (Redis expires and evicts on its own: see
+    redis_store.py)."""
     if url == "memory":
-        return ConversationStore(max_entries, max_bytes, block_size=block_size)
+        return ConversationStore(max_entries, max_bytes, block_size=block_size,
+                                 on_evict=on_evict)
     from kvtier.router.redis_store import RedisStore
 
     return RedisStore(url, namespace=namespace, ttl_s=ttl_s, block_size=block_size,

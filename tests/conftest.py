@@ -10,6 +10,12 @@ LocalStack alive at a time (≤ 3 instances: this machine has 2 cores and
 e2e lock (``kvtier.ab.live.lock``, the one ``kvtier ab`` takes too) is held while
 a stack runs, so two pytest sessions, or a session and an A/B run, on one
 machine never run two stacks at once.
+
+Reruns: an e2e test runs once more only when it failed for a cause outside the router: its
+stack did not start, a port was taken, or an engine of the running stack refused a
+connection (``tests.reruns.rerun_allowed``, which reads the exception, and for an httpx
+error the URL it went to: one of the stack's engines, or anything else). A check that
+failed, pytest-timeout, and a timeout or 5xx from a router fail the run at once.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kvtier.ab.live.lock import e2e_lock
 from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
 from tests.helpers import RedisServer
+from tests.reruns import rerun_allowed
 
 MAX_INSTANCES = 3
 # KV capacity of every pooled stack's instances unless its spec sets one: 4,096 blocks (131,072
@@ -177,13 +184,31 @@ E2E_MODULE_ORDER = (
 )
 
 
-# An e2e test that could not talk to its stack (an exception: a timeout, a refused or broken
-# connection, a stack that did not start) runs once more, on a machine shared with others' jobs;
-# one whose check failed (an AssertionError) never does, nor one that ran out of pytest-timeout's
-# time. Every rerun is listed at the end of the run with its first failure and kvtier's warnings
+# An e2e test that failed for a cause outside the router (its stack did not start, a port was
+# taken, an engine refused a connection: tests/reruns.py, ``rerun_allowed``, says exactly)
+# runs once more, on a machine shared with others' jobs; any other failure never does: a
+# check (an AssertionError), pytest-timeout, and every timeout or 5xx from a router. Every
+# rerun is listed at the end of the run with its first failure and kvtier's warnings
 # (``pytest_terminal_summary``): it passed the second time, and it is still a bug to find.
-# (Where pytest-rerunfailures is not installed, a GPU machine's bare pytest, nothing is rerun.)
-E2E_RERUN = {"reruns": 1, "rerun_except": [AssertionError, "pytest-timeout"]}
+# The rule needs pytest-rerunfailures >= 16.7 (a condition that sees the exception); with an
+# older one, or none (a GPU machine's bare pytest), nothing is rerun.
+def _rerun_condition(error: BaseException | None) -> bool:
+    engines = [i.url for pool in _POOLS if pool.current is not None
+               for i in pool.current.instances]
+    return rerun_allowed(error, engines)
+
+
+def _rerun_policy_supported() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        parts = version("pytest-rerunfailures").split(".")[:2]
+        return tuple(int(p) for p in parts) >= (16, 7)
+    except (PackageNotFoundError, ValueError):
+        return False
+
+
+E2E_RERUN = {"reruns": 1, "condition": _rerun_condition}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -199,7 +224,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (rank, mod)
 
     items.sort(key=key)  # stable: order within a module is kept
-    if not config.pluginmanager.hasplugin("rerunfailures"):
+    if not config.pluginmanager.hasplugin("rerunfailures") or not _rerun_policy_supported():
         return
     for item in items:
         if item.get_closest_marker("e2e") and not item.get_closest_marker("flaky"):

@@ -1,10 +1,11 @@
 """Strategies against each other, with intervals: what the report's comparison tables show.
 
-- ``strategy_intervals(r)``: one strategy's TTFT p50 / p90 (bootstrap over its turns) and
+- ``strategy_intervals(r)``: one strategy's TTFT p50 / p90 (bootstrap over its conversations,
+  each resampled whole: ``kvtier.ab.stats``) and
   turns per minute (bootstrap over its repeats, when it has ``meta["per_repeat"]``);
 - ``paired_ttft(a, b, keys=None)``: the median of per-turn TTFT ratios ``a / b`` over the turns
   both ran (same conversation, same turn, same repeat: ``RunResult.ttft_by_turn``), its
-  interval, and the verdict ("faster" means ``a`` is faster);
+  interval (clustered by conversation), and the verdict ("faster" means ``a`` is faster);
 - ``per_repeat_ratio(a, b, key)``: ``a``'s per-repeat value over ``b``'s, paired by repeat
   (the rotated sweep runs repeat *k* of every strategy in one round), with its interval;
 - ``pairwise(results)``: ``paired_ttft`` for every ordered pair in report order.
@@ -23,6 +24,7 @@ from kvtier.ab.records import RunResult
 from kvtier.ab.stats import (
     Interval,
     Verdict,
+    paired,
     paired_ratios,
     quantile_ci,
     ratio_ci,
@@ -48,11 +50,12 @@ class Paired:
 
 def strategy_intervals(r: RunResult) -> StrategyIntervals:
     ttft = [t.ttft_s for t in r.ok_turns]
+    convs = [t.conversation_id for t in r.ok_turns]
     tpm = [p["turns_per_min"] for p in r.meta.get("per_repeat", ()) if "turns_per_min" in p]
     if not tpm:
         tpm = [r.turns_per_min()]
-    return StrategyIntervals(r.strategy, quantile_ci(ttft, 0.5), quantile_ci(ttft, 0.9),
-                             quantile_ci(tpm, 0.5))
+    return StrategyIntervals(r.strategy, quantile_ci(ttft, 0.5, clusters=convs),
+                             quantile_ci(ttft, 0.9, clusters=convs), quantile_ci(tpm, 0.5))
 
 
 def paired_ttft(a: RunResult, b: RunResult, keys: Iterable[tuple[str, int]] | None = None
@@ -61,7 +64,8 @@ def paired_ttft(a: RunResult, b: RunResult, keys: Iterable[tuple[str, int]] | No
     if keys is not None:
         want = set(keys)
         ta = {k: v for k, v in ta.items() if k in want}
-    iv = ratio_ci(paired_ratios(ta, tb))  # type: ignore[arg-type]
+    keys, ratios = paired(ta, tb)
+    iv = ratio_ci(ratios, clusters=[k[0] for k in keys])
     return Paired(a.strategy, b.strategy, iv, verdict(iv))
 
 

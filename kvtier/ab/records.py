@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from kvtier.ab.stats import histogram_quantile
+from kvtier.ab.stats import histogram_quantile_resolved
 from kvtier.ids import Outcome, ReusePath
 
 REUSE_PATHS: tuple[ReusePath, ...] = tuple(ReusePath)  # report column order
@@ -354,7 +354,8 @@ def engine_summary(engine: dict | None) -> dict:
     def p90(h: dict | None) -> float:
         if not h:
             return nan
-        return histogram_quantile([(float(le), float(c)) for le, c in h["buckets"]], 0.9)
+        return histogram_quantile_resolved([(float(le), float(c)) for le, c in h["buckets"]],
+                                           0.9)
 
     e = engine or {}
     pre, dec = e.get("prefill", {}), e.get("decode", {})

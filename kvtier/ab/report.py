@@ -31,7 +31,8 @@ import msgspec
 
 from kvtier.ab.compare import intervals_markdown, pairwise, pairwise_markdown, strategy_intervals
 from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
-from kvtier.ab.stats import at_most
+from kvtier.ab.stats import at_most, first_bucket_bound
+from kvtier.ab.targets import decode_capacity
 from kvtier.ab.targets import evaluate as evaluate_targets
 from kvtier.ab.targets import markdown as targets_markdown
 from kvtier.runtime import cpu_info
@@ -122,6 +123,49 @@ def _rel(pred: float, meas: float) -> float:
     return abs(pred - meas) / abs(meas)
 
 
+# (key, column header, relative?) of the simulator's error, in table order
+SIM_ERROR_METRICS = (
+    ("ttft_mape", "TTFT MAPE"), ("ttft_p50_rel_err", "TTFT p50 rel. err"),
+    ("e2e_p50_rel_err", "e2e p50 rel. err"), ("turns_per_min_rel_err", "turns/min rel. err"),
+    ("reuse_rate_abs_err", "reuse rate abs. err"),
+    ("device_block_s_rel_err", "device block·s rel. err"),
+    ("host_gb_s_rel_err", "host GB·s rel. err"))
+
+
+def sim_error_rows(sim_error: dict) -> list[tuple[str, str, float]]:
+    """Every (strategy, metric, error) of ``simulation_error``, the worst first (NaN last)."""
+    rows = [(s, label, float(e.get(k, float("nan"))))
+            for s, e in sim_error.items() for k, label in SIM_ERROR_METRICS]
+    return sorted(rows, key=lambda r: (math.isnan(r[2]), -r[2] if not math.isnan(r[2]) else 0))
+
+
+def sim_error_section(sim_error: dict) -> list[str]:
+    """The simulator's error, every strategy and metric: strategies ordered by their worst
+    error, each row's worst cell in bold, and the worst rows named."""
+    def worst(e: dict) -> float:
+        vals = [float(e.get(k, float("nan"))) for k, _ in SIM_ERROR_METRICS]
+        return max((v for v in vals if not math.isnan(v)), default=float("nan"))
+
+    order = sorted(sim_error, key=lambda s: -worst(sim_error[s]) if not math.isnan(
+        worst(sim_error[s])) else math.inf)
+    lines = ["## Simulator error against this run", "",
+             "Every strategy and metric; strategies ordered by their worst error, which is in "
+             "bold.", "",
+             "| strategy | matched turns | " + " | ".join(h for _, h in SIM_ERROR_METRICS) + " |",
+             "|---|---|" + "|".join("---" for _ in SIM_ERROR_METRICS) + "|"]
+    for s in order:
+        e, w = sim_error[s], worst(sim_error[s])
+        cells = []
+        for k, _ in SIM_ERROR_METRICS:
+            v = float(e.get(k, float("nan")))
+            cells.append(f"**{_fmt(v, '%')}**" if v == w else _fmt(v, "%"))
+        lines.append(f"| {s} | {e['matched_turns']} | " + " | ".join(cells) + " |")
+    top = [r for r in sim_error_rows(sim_error) if not math.isnan(r[2])][:3]
+    if top:
+        lines += ["", "Worst: " + "; ".join(f"{s} {m} {_fmt(v, '%')}" for s, m, v in top) + "."]
+    return lines + [""]
+
+
 # ---------------------------------------------------------------- markdown ------------
 def _fmt(v: object, unit: str = "") -> str:
     if isinstance(v, float):
@@ -174,10 +218,35 @@ LOAD_COLUMNS = (
 )
 
 
+# p90 columns read from an engine histogram: (summary key) -> (role, histogram)
+_HIST_P90 = {"prefill_queue_p90_s": ("prefill", "queue"), "decode_queue_p90_s": ("decode", "queue"),
+             "decode_itl_p90_s": ("decode", "itl")}
+
+
+def _hist_cell(r: RunResult, key: str, v: object) -> str:
+    """A histogram p90 that falls inside the first bucket is "< bound" (in ms), not the linear
+    estimate inside it (``kvtier.ab.stats.histogram_quantile_resolved``)."""
+    if key in _HIST_P90 and isinstance(v, float) and math.isnan(v):
+        role, hist = _HIST_P90[key]
+        h = ((r.meta.get("engine") or {}).get(role) or {}).get(hist)
+        if h:
+            bound = first_bucket_bound([(float(le), float(c)) for le, c in h["buckets"]], 0.9)
+            if bound is not None:
+                return f"< {bound * 1e3:.0f}"
+    return _fmt(v, "ms") if key in _HIST_P90 else _fmt(v)
+
+
 def load_table(results: Sequence[RunResult]) -> str:
     """What the engines themselves counted (queue, inter-token latency, preemptions, running
     requests) next to the retained memory; "–" where a run did not record it."""
-    return _summary_rows(results, LOAD_COLUMNS)
+    head = "| " + " | ".join(c[0] for c in LOAD_COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in LOAD_COLUMNS) + "|"
+    rows = []
+    for r in results:
+        s = r.summary()
+        rows.append("| " + " | ".join(_hist_cell(r, k, s[k]) if k in _HIST_P90 else _fmt(s[k], u)
+                                      for _, k, u in LOAD_COLUMNS) + " |")
+    return "\n".join([head, sep, *rows])
 
 
 def _slo_section(results: Sequence[RunResult], slo_s: float) -> list[str]:
@@ -295,7 +364,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
               "a verdict is given only when the whole interval is on one side of 1.", "",
               intervals_markdown(results), "", pairwise_markdown(results), ""]
     lines += ["## Targets, from this run's records (decided from the intervals)", "",
-              targets_markdown(evaluate_targets(results)), ""]
+              targets_markdown(evaluate_targets(results, decode_capacity(meta))), ""]
     lines += ["## Load, latency and memory (engines' own metrics)", "", load_table(results), ""]
     slo = (meta.get("regime") or {}).get("slo_ttft_p90_s")
     if slo:
@@ -331,20 +400,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     if simulated:
         lines += ["## Simulator prediction (same trace)", "", summary_table(simulated), ""]
     if sim_error:
-        lines += ["## Simulator error against this run", "",
-                  "| strategy | matched turns | TTFT MAPE | TTFT p50 rel. err | e2e p50 rel. err "
-                  "| turns/min rel. err | reuse rate abs. err "
-                  "| device block·s rel. err | host GB·s rel. err |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for s, e in sim_error.items():
-            lines.append(f"| {s} | {e['matched_turns']} | {_fmt(e['ttft_mape'], '%')} | "
-                         f"{_fmt(e['ttft_p50_rel_err'], '%')} | "
-                         f"{_fmt(e.get('e2e_p50_rel_err', float('nan')), '%')} | "
-                         f"{_fmt(e.get('turns_per_min_rel_err', float('nan')), '%')} | "
-                         f"{_fmt(e['reuse_rate_abs_err'], '%')} | "
-                         f"{_fmt(e['device_block_s_rel_err'], '%')} | "
-                         f"{_fmt(e['host_gb_s_rel_err'], '%')} |")
-        lines.append("")
+        lines += sim_error_section(sim_error)
     if meta.get("measurement"):
         lines += ["## How each number is measured", ""]
         lines += [f"- **{k}**: {v}" for k, v in meta["measurement"].items()]
@@ -472,7 +528,7 @@ def _repeats_section(results: Sequence[RunResult]) -> list[str]:
     return lines + [""]
 
 
-def _iv_doc(s: Any) -> dict:
+def iv_doc(s: Any) -> dict:
     return {"strategy": s.strategy, "ttft_p50_s": s.ttft_p50.to_dict(),
             "ttft_p90_s": s.ttft_p90.to_dict(), "turns_per_min": s.turns_per_min.to_dict()}
 
@@ -494,8 +550,8 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
         "simulated": msgspec.to_builtins(list(simulated)) if simulated else None,
         "simulated_summary": [r.summary() for r in simulated] if simulated else None,
         "simulator_error": sim_error,
-        "targets": msgspec.to_builtins(evaluate_targets(results)),
-        "intervals": [_iv_doc(strategy_intervals(r)) for r in results],
+        "targets": msgspec.to_builtins(evaluate_targets(results, decode_capacity(meta))),
+        "intervals": [iv_doc(strategy_intervals(r)) for r in results],
         "paired_ttft": [{"a": p.a, "b": p.b, "ratio": p.ratio.to_dict(), "verdict": p.verdict}
                         for p in pairwise(results)],
     }

@@ -14,6 +14,10 @@ from kvtier.devstack.placement import SPINNER_NICE
 from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
 
+# What a new user gets: streaming that keeps reuse (the params feed) and leases the router
+# renews and releases (DELETE frees the blocks; a dead router's lapse within one lease).
+DEFAULT_KV_CONFIG = "nixl-bidirectional-lease"
+
 
 def resolve_model(model: str) -> str:
     """A preset name (tiny, bench) builds/caches it; anything else is a path."""
@@ -36,12 +40,14 @@ def _stack_up(args: argparse.Namespace) -> int:
     # `kvtier` installed kvtier.runtime's SIGTERM policy: `kill` unwinds like Ctrl-C.
     try:
         stack.start()
-        desc = stack.describe()
+        state = stack.state()
         if args.state_file:
             Path(args.state_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.state_file).write_text(json.dumps(desc, indent=2))
-        print(json.dumps(desc, indent=2), flush=True)
-        print("stack is up; Ctrl-C stops it", flush=True)
+            Path(args.state_file).write_text(json.dumps(state, indent=2))
+        print(json.dumps(state, indent=2), flush=True)
+        print("stack is up; Ctrl-C stops it"
+              + (f"; `kvtier router` reads its instances from {args.state_file}"
+                 if args.state_file else ""), flush=True)
         while all(i.alive() for i in stack.instances):
             time.sleep(1)
         dead = [i.spec.name for i in stack.instances if not i.alive()]
@@ -75,8 +81,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--prefill", type=int, default=1)
     up.add_argument("--decode", type=int, default=1)
     up.add_argument("--model", default="tiny", help="preset (tiny, bench) or model directory")
-    up.add_argument("--kv-config", default="nixl-bidirectional",
-                    help="name of a --kv-transfer-config file in configs/")
+    up.add_argument("--kv-config", default=DEFAULT_KV_CONFIG,
+                    help="name of a --kv-transfer-config file in configs/ (default "
+                         f"{DEFAULT_KV_CONFIG}: vLLM's bidirectional NixlConnector with kvtier's "
+                         "params feed, so streamed turns keep their KV, and decode leases)")
     up.add_argument("--base-port", type=int, default=None,
                     help="first of 8 consecutive ports per instance (default: OS-assigned)")
     up.add_argument("--log-dir", default=".kvtier/logs")

@@ -127,6 +127,32 @@ class InstanceSpec(BaseModel):
         return env
 
 
+    def router_endpoints(self) -> dict[str, str]:
+        """This instance's params feed and lease server as a router on this host reaches
+        them (``InstanceConfig.params_feed`` / ``lease``): what its KVTierNixlConnector binds
+        (``kvtier.tier.params_feed.ParamsFeedConfig``); empty for other connectors."""
+        kv = self.kv_transfer_config or {}
+        if kv.get("kv_connector") != "KVTierNixlConnector":
+            return {}
+        from kvtier.tier.params_feed import ParamsFeedConfig
+
+        env = {InstanceEnv.NIXL_SIDE_CHANNEL_PORT: str(self.side_channel_port),
+               **{k: v for k, v in self.extra_env.items() if k.startswith("KVTIER_")}}
+        cfg = ParamsFeedConfig.from_extra_config(kv.get("kv_connector_extra_config")).resolved(env)
+        out = {}
+        if cfg.params_feed_endpoint:
+            out["params_feed"] = _reachable(cfg.params_feed_endpoint)
+        if cfg.lease_endpoint and cfg.decode_lease_s > 0:
+            out["lease"] = _reachable(cfg.lease_endpoint)
+        return out
+
+
+def _reachable(bound: str) -> str:
+    """A bind address (``tcp://*:PORT``) as a client on this host connects to it."""
+    return bound.replace("tcp://*:", "tcp://127.0.0.1:").replace("tcp://0.0.0.0:",
+                                                                  "tcp://127.0.0.1:")
+
+
 PORTS_PER_INSTANCE = 8
 
 

@@ -225,6 +225,23 @@ class LocalStack:
                 return
         raise KeyError(name)
 
+    def router_instances(self) -> list[dict]:
+        """The router's ``instances`` for this stack: name, URL, role, and each decode node's
+        params feed and lease server when its connector has them (``kvtier router
+        --stack-state`` reads these from the state file)."""
+        out = []
+        for i in self.instances:
+            inst = {"name": i.spec.name, "url": i.url, "role": i.spec.role.value}
+            if i.spec.role.value in ("decode", "both"):
+                inst.update(i.spec.router_endpoints())
+            out.append(inst)
+        return out
+
+    def state(self) -> dict:
+        """What ``kvtier stack up`` writes to its state file: the instances and the router's
+        instance config."""
+        return {"instances": self.describe(), "router": {"instances": self.router_instances()}}
+
     def describe(self) -> list[dict]:
         return [
             {

@@ -8,17 +8,27 @@ numbers and the worker half or NIXL moves bytes in and out of them.
 The pool is a ``numpy.memmap`` over a file in ``/dev/shm`` so the two halves
 of a vLLM connector (scheduler process and worker process, which may or may
 not be the same process) and NIXL all see the same bytes. Opening the same
-name twice maps the same memory. The creator unlinks the file on ``close()``;
-files left by killed processes are removed by ``sweep_stale()`` (the owner
-pid is part of the name).
+name twice maps the same memory (the halves attach by name, each when vLLM gets
+to it, in an order and number of processes this module cannot know).
+
+Nothing outlives its owner. The creator unlinks the file on ``close()``; a creator
+that never gets there (SIGTERM, SIGKILL, a crash) leaves it to its reaper: a tiny
+process started with the pool, in a session of its own (a signal to the engine's
+process group does not reach it), that blocks on a pipe whose only writer is the
+creator (and any child forked from it meanwhile). When the last of them is gone the
+kernel closes the pipe and the reaper unlinks the file, if it is still the same file
+(inode), then exits. The mapping of a process still attached stays valid after the
+unlink; only its name goes, and with the last mapping the memory. ``sweep_stale()``
+(every ``shared()``) still removes a dead owner's file (the owner pid is part of
+the name) should its reaper have been killed too.
 
 Pinning for CUDA (cudaHostRegister) is done by the worker half, which is
 where torch lives (``kvtier.tier.cuda_copy.HostPins``: once per mapping, undone
 by the worker's close); this module stays numpy-only.
 Pools are named per engine and tensor-parallel rank (``pool_tag``).
 
-Threading model: the pool has no state besides the mapping; concurrent
-readers/writers of *different* slots are safe, the manager guarantees a slot
+Threading model: the pool has no state besides the mapping (and its reaper);
+concurrent readers/writers of *different* slots are safe, the manager guarantees a slot
 has one writer at a time.
 """
 
@@ -26,6 +36,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +45,18 @@ import numpy as np
 
 SHM_DIR = Path(os.environ.get("KVTIER_SHM_DIR", "/dev/shm"))
 _NAME_RE = re.compile(r"^kvtier-pool-(\d+)-")
+# The reaper: wait for EOF on stdin (every writer gone), then unlink argv[1] if it is
+# still inode argv[2]. Isolated (-I), without site (-S): starts in ~10 ms, ~8 MB resident.
+_REAPER = """
+import os, sys
+while os.read(0, 4096):
+    pass
+try:
+    if os.stat(sys.argv[1]).st_ino == int(sys.argv[2]):
+        os.unlink(sys.argv[1])
+except OSError:
+    pass
+"""
 
 
 def pool_path(tag: str, owner_pid: int) -> Path:
@@ -80,6 +104,8 @@ class HostPool:
     path: Path | None = None  # None: anonymous (process-private) memory
     owner: bool = True
     array: np.ndarray = field(init=False, repr=False)
+    _reaper: subprocess.Popen[bytes] | None = field(init=False, default=None, repr=False)
+    _reaper_fd: int | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_slots <= 0 or self.slot_bytes <= 0:
@@ -94,6 +120,25 @@ class HostPool:
                 fh.truncate(size)
         self.array = np.memmap(self.path, dtype=np.uint8, mode="r+",
                                shape=(self.num_slots, self.slot_bytes))
+        if self.owner:
+            self._start_reaper(self.path)
+
+    def _start_reaper(self, path: Path) -> None:
+        """Unlink ``path`` once this process (and whatever it forks) is gone, however it
+        ends (module docstring)."""
+        r, w = os.pipe()  # both ends non-inheritable: an exec'd child never holds ``w``
+        try:
+            self._reaper = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _REAPER, str(path),
+                 str(path.stat().st_ino)],
+                stdin=r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        self._reaper_fd = w
 
     @classmethod
     def shared(cls, tag: str, num_slots: int, slot_bytes: int) -> HostPool:
@@ -130,3 +175,12 @@ class HostPool:
                 self.path.unlink()
             except OSError:
                 pass
+        if self._reaper_fd is not None:
+            os.close(self._reaper_fd)  # the reaper finds the file gone and exits
+            self._reaper_fd = None
+        if self._reaper is not None:
+            try:
+                self._reaper.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass  # it exits on its own; only its exit status is left unread
+            self._reaper = None

@@ -9,7 +9,9 @@ lease metrics. Every answer is compared with a fresh single-instance recompute.
   the next turn of that history is answered correctly (recomputed);
 - a live conversation's blocks outlive several leases because the router renews them, and its
   next turn still reads them (the router patches the renewed deadline into the params);
-- a router killed with SIGKILL stops renewing: the blocks are freed within one lease.
+- a router killed with SIGKILL stops renewing: the blocks are freed within one lease;
+- a turn its store lets go (``store_max_entries: 1``, a second conversation) is released at
+  once, not renewed until its hold ends.
 """
 
 from __future__ import annotations
@@ -164,6 +166,29 @@ def test_a_killed_router_frees_within_one_lease(http, stack, tmp_path):
         if proc.poll() is None:
             proc.kill()
         reaped(proc)
+
+
+def test_a_turn_evicted_from_the_store_frees_its_blocks(http, stack):
+    """The store keeps one conversation: the second pushes the first out, and the decode node
+    frees the first's blocks within seconds, long before its 30 s lease would lapse (the
+    router renews a retained turn until the store lets it go, and only that long)."""
+    D, mets = stack.decode[0].url, lease_metrics(stack)
+    idle(http, stack)
+    cfg = {**router_config(stack, 30.0), "store_max_entries": 1}
+    with RouterServer(RouterConfig.model_validate(cfg)) as r:
+        turn(http, stack, r.url, ids(7301, 600), "first")
+        held_first = metric(http, D, USAGE)
+        assert held_first > 0, "the finished turn is retained"
+        dropped0 = metric(http, mets, "kvtier_decode_leases_released_total", reason="dropped")
+        turn(http, stack, r.url, ids(7302, 40), "second")  # a turn of a few blocks
+        t0 = time.monotonic()
+        freed = wait_until(lambda: metric(http, D, USAGE) < held_first, 10, 0.05)
+        took = time.monotonic() - t0
+        assert freed and took <= 5.0, \
+            f"the evicted turn still held {took:.1f} s on: " + lease_story(http, r.url, mets)
+        assert metric(http, mets, "kvtier_decode_leases_released_total",
+                      reason="dropped") == dropped0 + 1
+        assert metric(http, D, USAGE) > 0, "the second conversation's turn is still retained"
 
 
 def _healthy(http: httpx.Client, url: str) -> bool:

@@ -11,9 +11,9 @@ from kvtier.ab.records import MemorySample, RunResult, TurnRecord
 from kvtier.ab.report import PLOTS, environment_meta, simulation_error, summary_table, write_report
 
 
-def run(name: str, ttft_scale: float, reuse: bool) -> RunResult:
+def run(name: str, ttft_scale: float, reuse: bool, conversations: int = 2) -> RunResult:
     turns = []
-    for c in range(2):
+    for c in range(conversations):
         ctx = 0
         for i in range(3):
             ctx += 300
@@ -90,7 +90,8 @@ def test_repeats_are_shown_each(tmp_path):
 
 
 def test_report_shows_intervals_verdicts_and_engine_numbers(tmp_path):
-    fast, slow = run("device-ttl", 0.2, True), run("recompute", 1.0, False)
+    # 3 conversations: intervals resample whole conversations, and 2 resolve nothing
+    fast, slow = run("device-ttl", 0.2, True, 3), run("recompute", 1.0, False, 3)
     slow.meta["engine"] = {"decode": {"queue": {"buckets": [["+Inf", 2.0]], "sum": 1.0,
                                                 "count": 2.0}, "preemptions": 3.0}}
     slow.turns[1].refusal = "expired"
@@ -99,24 +100,38 @@ def test_report_shows_intervals_verdicts_and_engine_numbers(tmp_path):
                                                           "slo_ttft_p90_s": 0.5}},
                       plots=False).read_text()
     assert "Intervals and paired ratios" in md and "[95% CI]" in md
-    assert "| device-ttl | recompute | 6 |" in md and "**faster**" in md
+    assert "| device-ttl | recompute | 9 |" in md and "**faster**" in md
     assert "Regime: pressure" in md and "TTFT p90 SLO (500 ms)" in md
     assert "| recompute | – | – | 500.0 |" in md  # decode queue mean from the engine histogram
     assert "expired" in md
     doc = json.loads((tmp_path / "report.json").read_text())
     assert [p["verdict"] for p in doc["paired_ttft"]] == ["faster"]
-    assert doc["intervals"][0]["ttft_p50_s"]["n"] == 6
+    assert doc["intervals"][0]["ttft_p50_s"]["n"] == 9
+    assert doc["intervals"][0]["ttft_p50_s"]["clusters"] == 3
     assert {t["status"] for t in doc["targets"]} == {"not evaluated"}
 
 
 def test_demo_sentences_come_from_the_records():
     from kvtier.ab.live.demo import explain
 
-    text = explain([run("recompute", 1.0, False), run("device-ttl", 0.2, True)], 2048, 32)
+    # 3 conversations: the paired interval resamples whole conversations, 2 resolve nothing
+    text = explain([run("recompute", 1.0, False, 3), run("device-ttl", 0.2, True, 3)], 2048, 32)
     assert "At the longest context (~900 tokens)" in text
     assert "device-ttl/recompute" in text and ": faster)" in text
     assert "the decode node held on average: recompute 0.0 MiB" in text
     assert "decided per turn" not in text  # no leased strategy, no sentence about its choices
+
+
+def test_demo_says_slower_when_a_strategy_is_slower():
+    """A strategy 1.25x as slow as recompute at the longest context is "1.2× slower", never
+    "0.8× faster"."""
+    from kvtier.ab.live.demo import explain, speed_words
+
+    assert speed_words(1.0, 1.25) == "1.2× slower" and speed_words(1.0, 0.5) == "2.0× faster"
+    assert speed_words(1.0, 1.0) == "as fast"
+    text = explain([run("recompute", 1.0, False, 3), run("host-p2p", 1.25, False, 3)], 2048, 32)
+    assert "host-p2p 1,125 ms (1.2× slower;" in text
+    assert "× faster" not in text
 
 
 def test_demo_says_what_tiered_adaptive_chose():

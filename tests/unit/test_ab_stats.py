@@ -13,7 +13,10 @@ from kvtier.ab.stats import (
     Interval,
     at_least,
     at_most,
+    bootstrap_quantiles,
+    first_bucket_bound,
     histogram_quantile,
+    histogram_quantile_resolved,
     median_ci,
     nearest_rank,
     paired_ratios,
@@ -117,3 +120,77 @@ def test_histogram_quantile_interpolates_in_the_bucket() -> None:
         histogram_quantile([(1.0, 0.0), (math.inf, 0.0)], 0.5)  # NaN: empty
     # everything beyond the last finite bound: the bound is the best estimate
     assert histogram_quantile([(1.0, 0.0), (math.inf, 5.0)], 0.5) == 1.0
+
+
+# ---------------------------------------------------------------- clustered bootstrap --
+def test_resamples_hold_whole_conversations() -> None:
+    """Conversation j has a low value j and a high value 1000 + j. A resample of whole
+    conversations holds as many low values as high ones, so its median (nearest rank: index
+    round(0.5 * (2m - 1)) = m - 1 of 2m sorted values) is always a low value; a resample of
+    single turns draws more high values than low ones about half the time."""
+    convs = [f"c{j}" for j in range(5) for _ in range(2)]
+    xs = [float(j + 1000 * i) for j in range(5) for i in range(2)]
+    reps = bootstrap_quantiles(xs, 0.5, convs, np.random.default_rng(0), 2000)
+    assert np.all(reps < 1000)
+    # negative control: the same values resampled turn by turn
+    turns = bootstrap_quantiles(xs, 0.5, None, np.random.default_rng(0), 2000)
+    assert np.mean(turns >= 1000) > 0.2
+
+
+def test_a_resample_has_as_many_values_as_its_conversations_hold() -> None:
+    """One conversation of 50 equal values and four of one value each: resampled turn by turn,
+    the 50 always hold the median; resampled by conversation, "big" is left out of a third of
+    the resamples ((4/5)^5) and the median falls to one of the small ones."""
+    convs = ["big"] * 50 + ["a", "b", "c", "d"]
+    xs = [5.0] * 50 + [1.0, 2.0, 3.0, 4.0]
+    reps = bootstrap_quantiles(xs, 0.5, convs, np.random.default_rng(3), 2000)
+    assert set(np.unique(reps)) <= set(xs)
+    assert 0.25 < float(np.mean(reps < 5.0)) < 0.42
+    turns = bootstrap_quantiles(xs, 0.5, None, np.random.default_rng(3), 2000)
+    assert np.all(turns == 5.0)
+
+
+def test_correlated_turns_give_a_wider_clustered_interval() -> None:
+    """Turns of a conversation share its level (strong within-conversation correlation): the
+    clustered interval is much wider than one that treats the 240 turns as independent."""
+    rng = np.random.default_rng(5)
+    level = rng.lognormal(0.0, 0.5, 30)
+    convs = [f"c{j}" for j in range(30) for _ in range(8)]
+    xs = [float(level[j] * rng.lognormal(0.0, 0.05)) for j in range(30) for _ in range(8)]
+    by_conv = quantile_ci(xs, 0.5, clusters=convs)
+    by_turn = quantile_ci(xs, 0.5)
+    assert by_conv.point == by_turn.point and by_conv.clusters == 30 and by_turn.clusters == 0
+    assert (by_conv.hi - by_conv.lo) > 1.8 * (by_turn.hi - by_turn.lo)
+    # and the paired-ratio path (what the report's tables use) clusters alike
+    r_conv = ratio_ci(xs, clusters=convs)
+    assert (r_conv.lo, r_conv.hi) == (by_conv.lo, by_conv.hi)
+
+
+def test_too_few_conversations_resolve_nothing() -> None:
+    xs = [float(v) for v in range(40)]
+    iv = quantile_ci(xs, 0.5, clusters=["a"] * 20 + ["b"] * 20)
+    assert not iv.defined and iv.n == 40 and iv.clusters == 2
+    assert iv.fmt() == "20 [n=40, 2 conv.]"
+    assert verdict(iv) == "not resolved"
+
+
+def test_clustered_quantile_matches_the_plain_one_when_every_value_is_a_cluster() -> None:
+    xs = np.random.default_rng(2).lognormal(0.0, 1.0, 50).tolist()
+    a = quantile_ci(xs, 0.9, clusters=list(range(50)))
+    b = quantile_ci(xs, 0.9)
+    assert (a.point, a.lo, a.hi) == (b.point, b.lo, b.hi)
+
+
+# ---------------------------------------------------------------- first bucket ---------
+def test_a_quantile_inside_the_first_bucket_is_not_a_number() -> None:
+    """vLLM's queue-time histogram, first bucket le=0.3 s, every request in it: the linear
+    estimate says 270 ms (the artefact the reports showed next to a mean of 0 ms)."""
+    buckets = [(0.3, 40.0), (0.5, 40.0), (0.8, 40.0), (math.inf, 40.0)]
+    assert histogram_quantile(buckets, 0.9) == pytest.approx(0.27)  # PromQL's estimate
+    assert math.isnan(histogram_quantile_resolved(buckets, 0.9))
+    assert first_bucket_bound(buckets, 0.9) == 0.3
+    # past the first bucket the estimate stands
+    later = [(0.3, 30.0), (0.5, 40.0), (math.inf, 40.0)]
+    assert first_bucket_bound(later, 0.9) is None
+    assert histogram_quantile_resolved(later, 0.9) == pytest.approx(histogram_quantile(later, 0.9))
+    assert first_bucket_bound([(0.3, 0.0), (math.inf, 0.0)], 0.9) is None  # empty

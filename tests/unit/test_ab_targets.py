@@ -7,7 +7,8 @@ import zlib
 import numpy as np
 
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord, merge_repeats
-from kvtier.ab.targets import evaluate, markdown
+from kvtier.ab.stats import Interval
+from kvtier.ab.targets import evaluate, markdown, median_target, not_lower, not_worse
 
 
 def _run(name: str, ttft_of, reused: int, blocks: int, seed: int, t_end: float = 60.0,
@@ -45,7 +46,8 @@ def test_all_met() -> None:
         "within 5% of the best single strategy": "met",
         "TTFT p90 vs the best single strategy": "met",
         "turns per minute vs the best single strategy": "met",
-        "device memory vs device-ttl": "met"}
+        "device memory vs device-ttl": "met",
+        "device memory ≤ 50% of device-ttl's": "met"}
 
 
 def test_all_missed() -> None:
@@ -79,3 +81,51 @@ def test_one_run_cannot_resolve_per_repeat_targets() -> None:
 def test_missing_strategies_are_not_evaluated() -> None:
     only = _run("tiered-adaptive", lambda i: 1.0, 500, 1, seed=0)
     assert all(t.status == "not evaluated" and t.met is None for t in evaluate([only]))
+
+
+# ---------------------------------------------------------------- no tolerance ---------
+def test_an_interval_wholly_below_one_is_lower_not_met() -> None:
+    """host-scarce's turns/min, 0.982 [0.978, 0.999], printed "met" under a 5% tolerance."""
+    iv = Interval(0.982, 0.978, 0.999, 5)
+    assert not_lower(iv) is False
+    assert not_lower(Interval(0.99, 0.95, 1.0, 5)) is True   # touches 1.0: not wholly below
+    assert not_lower(Interval(0.99, 0.95, 1.02, 5)) is True
+    assert not_lower(Interval(1.0, float("nan"), float("nan"), 1)) is None
+
+
+def test_not_worse_means_the_upper_bound_is_at_most_one() -> None:
+    assert not_worse(Interval(1.03, 1.01, 1.04, 50)) is False        # was "met" (≤ 1.05)
+    assert not_worse(Interval(1.0, 0.97, 1.03, 50)) is None          # was "met"
+    assert not_worse(Interval(0.98, 0.95, 1.0, 50)) is True
+    assert not_worse(Interval(0.98, 0.95, 0.999, 50)) is True
+
+
+def test_median_target_is_the_issue_s_bound_and_point() -> None:
+    assert median_target(Interval(0.99, 0.95, 1.04, 50)) is True
+    assert median_target(Interval(1.02, 0.99, 1.04, 50)) is None     # point above 1.0
+    assert median_target(Interval(1.02, 1.01, 1.04, 50)) is False    # wholly slower than the best
+    assert median_target(Interval(0.99, 0.95, 1.06, 50)) is None     # upper bound above 1.05
+
+
+def test_throughput_2_percent_lower_in_every_repeat_is_missed() -> None:
+    best = _repeated("host-p2p", lambda i: 0.3, 800, 0)
+    ad = _repeated("tiered-adaptive", lambda i: 0.3, 800, 0, t_end=61.1)  # 0.982x turns/min
+    t = {t.name: t for t in evaluate([best, ad])}["turns per minute vs the best single strategy"]
+    assert t.status == "missed" and "(lower)" in t.value
+    assert t.interval is not None and t.interval["hi"] < 1.0
+
+
+def test_reuse_3_percent_lower_in_every_repeat_misses_the_memory_share() -> None:
+    dt = _repeated("device-ttl", lambda i: 0.3, 800, 100)
+    ad = _repeated("tiered-adaptive", lambda i: 0.3, 776, 10)  # 97% of device-ttl's reuse
+    got = _status([dt, ad])
+    assert got["device memory vs device-ttl"] == "met"
+    assert got["device memory ≤ 50% of device-ttl's"] == "missed"
+
+
+def test_p90_3_percent_slower_is_missed_not_met() -> None:
+    best = _repeated("host-p2p", lambda i: 0.3, 800, 0, noise=0.001)
+    ad = _repeated("tiered-adaptive", lambda i: 0.309, 800, 0, noise=0.001)
+    got = _status([best, ad])
+    assert got["TTFT p90 vs the best single strategy"] == "missed"
+    assert got["within 5% of the best single strategy"] == "missed"

@@ -119,8 +119,10 @@ def test_close_releases_now_and_only_for_its_tenant(node) -> None:
         assert r.status_code == 404 and table.released["closed"] == 0
         assert c.delete("/v1/conversations/x").status_code == 401
         r = c.delete("/v1/conversations/x", headers={"authorization": "Bearer ka"})
-        assert r.status_code == 200 and r.json() == {"id": "x", "object": "conversation.deleted",
-                                                     "deleted": True}
+        assert r.status_code == 200 and r.json() == {
+            "id": "x", "object": "conversation.deleted", "deleted": True,
+            "device_blocks_released": True, "device_blocks": "released",
+            "detail": "the decode node freed the conversation's blocks"}
         assert table.released["closed"] == 1 and table.snapshot()["leases_held"] == 1
         assert table.renew([RID])[RID].held is False  # the node frees it at its next step
         r = c.delete("/v1/conversations/x", headers={"authorization": "Bearer ka"})
@@ -251,3 +253,29 @@ def test_a_lease_endpoint_must_be_zmq() -> None:
     with pytest.raises(ValueError, match="ZMQ endpoint"):
         RouterConfig.model_validate({"decode": [{"name": "d", "url": D_URL,
                                                  "lease": "http://d:1"}]})
+
+
+def test_close_says_when_no_blocks_were_released() -> None:
+    """A decode node without a lease endpoint: the conversation is forgotten, and the answer
+    says its blocks were not released (vLLM's TTL holds them), not a bare 200."""
+    fake = FakeEngines()
+    config = RouterConfig.model_validate({
+        "prefill": [P_URL], "decode": [D_URL], "log_json": False, "block_size": BLOCK_SIZE})
+    with TestClient(create_app(config, transport=fake, health_checks=False)) as c:
+        complete(c, PROMPT)
+        r = c.delete("/v1/conversations/x")
+        assert r.status_code == 200
+        body = r.json()
+        assert body["deleted"] is True and body["device_blocks_released"] is False
+        assert body["device_blocks"] == "no_lease_endpoint" and "ttl" in body["detail"]
+
+
+def test_close_says_when_the_lease_server_did_not_answer() -> None:
+    """A lease endpoint nobody serves: not released, and the answer says why."""
+    from kvtier.runtime import free_ports
+
+    for c, _, _ in make(f"tcp://127.0.0.1:{free_ports(1)[0]}"):
+        complete(c, PROMPT)
+        body = c.delete("/v1/conversations/x").json()
+        assert body["device_blocks_released"] is False
+        assert body["device_blocks"] == "lease_server_unavailable"

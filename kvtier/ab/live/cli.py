@@ -5,6 +5,7 @@
               [--simulate [--slo-ttft-p90 SECONDS [--max-sessions N]]]
     kvtier calibrate [--model tiny] [--stack ROUTER_URL] [--simulate] [--out FILE]
     kvtier demo [--model bench] [--strategies recompute,device-ttl,host-p2p]
+    kvtier ab-report DIR [--out DIR] | --all ROOT
 
 A live ``ab`` starts each strategy's stack in turn, replays the trace, then fits
 a cost model to the run's own turns (in-sample), replays the same trace through
@@ -57,6 +58,19 @@ def _ab(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
             p.error("--slo-ttft-p90 sizes the fleet by simulation: it needs --simulate")
         return run_ab(args)
     return run
+
+
+def _ab_report(args: argparse.Namespace) -> int:
+    """``kvtier ab-report DIR`` (refit, re-simulate) or ``--all ROOT`` (re-render everything)."""
+    if args.all_root:
+        from pathlib import Path
+
+        from kvtier.ab.live.regen import write_all
+
+        for f in write_all(Path(args.all_root)):
+            print(f"regenerated {f}")
+        return 0
+    return run_ab_report(args)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -117,9 +131,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     r = subparsers.add_parser("ab-report", help="re-render a live kvtier ab run's report "
                                                 "(refit, re-simulate, targets) from its report.json")
-    r.add_argument("dir", help="the run's --out directory (report.json, trace.jsonl)")
+    rg = r.add_mutually_exclusive_group(required=True)
+    rg.add_argument("dir", nargs="?", help="the run's --out directory (report.json, trace.jsonl)")
+    rg.add_argument("--all", metavar="ROOT", dest="all_root",
+                    help="regenerate every committed report under ROOT/ab/*/ (report.md, "
+                         "regime-table.md, report.json's derived keys) and the generated blocks "
+                         "of ROOT/AB.md and ROOT/../README.md from their raw JSON, no refit "
+                         "(e.g. --all benchmarks)")
     r.add_argument("--out", default=None, help="where to write (default: the same directory)")
-    r.set_defaults(func=run_ab_report)
+    r.set_defaults(func=_ab_report)
 
     d = subparsers.add_parser("demo", help="a short A/B where reuse pays (what ./run demo runs)")
     d.add_argument("--strategies", default=DEMO_STRATEGIES)

@@ -10,7 +10,8 @@ prefill reads it D->P), the host tier (``host-p2p``) and ``tiered-adaptive`` (ho
 leases: the router holds or releases each retained turn online, from a cost model fitted to the
 three runs before it). It ends with the computed tokens each
 strategy saved, the memory each held while the tools ran, and two plain sentences: how much
-faster the next turn was at the longest context, and how much device memory each strategy held.
+faster (or slower) the next turn was at the longest context, and how much device memory each
+strategy held.
 
 Threading model: runs on the caller's thread (the runner owns its helper threads).
 """
@@ -73,6 +74,16 @@ def _mib(blocks: float, block_size: int, kvbpt: int) -> float:
     return blocks * block_size * kvbpt / 2**20
 
 
+def speed_words(base_s: float, other_s: float) -> str:
+    """``other`` against ``base`` (two times): "N× faster" only when it took less time,
+    "N× slower" when more, "as fast" when equal."""
+    if other_s < base_s:
+        return f"{base_s / other_s:.1f}× faster"
+    if other_s > base_s:
+        return f"{other_s / base_s:.1f}× slower"
+    return "as fast"
+
+
 def explain(results: list[RunResult], kvbpt: int, block_size: int) -> str:
     """The demo's closing table and sentences, from the run's records only."""
     by = {r.strategy: r for r in results}
@@ -101,9 +112,9 @@ def explain(results: list[RunResult], kvbpt: int, block_size: int) -> str:
     for r in results:
         if r is base or not r.ok_turns:
             continue
-        x = base.ttft_at_longest() / r.ttft_at_longest()
         p = paired_ttft(r, base, follow)
-        parts.append(f"{r.strategy} {r.ttft_at_longest() * 1e3:,.0f} ms ({x:.1f}× faster; over "
+        parts.append(f"{r.strategy} {r.ttft_at_longest() * 1e3:,.0f} ms "
+                     f"({speed_words(base.ttft_at_longest(), r.ttft_at_longest())}; over "
                      f"all {p.ratio.n} follow-up turns {r.strategy}/recompute = "
                      f"{p.ratio.fmt(1, 2)}: {p.verdict})")
     if parts:
