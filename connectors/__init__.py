@@ -1,15 +1,25 @@
 """vLLM adapters (installed as kvtier.connectors).
 
 ``"kv_connector": "KVTierConnector", "kv_connector_module_path":
-"kvtier.connectors"`` loads the connector; the ``vllm.general_plugins`` entry
-point (``register``) also registers the name with vLLM's connector factory so
-the module path can be omitted. Importing this package does not import vLLM;
-the classes load on first attribute access.
+"kvtier.connectors"`` loads the connector. vLLM also looks connectors up by name alone
+(``KVConnectorFactory.get_connector_class_by_name``: MultiConnector rebuilds each child's
+stats that way in the API server process), so every name in ``_LAZY`` must be registered
+with vLLM's factory in each process that reads stats. Two ways do it, so kvtier works
+installed or only on ``PYTHONPATH``:
+
+- the ``vllm.general_plugins`` entry point (``register``), when kvtier is installed;
+- importing this package once vLLM's factory is loaded (which is how vLLM imports it:
+  ``kv_connector_module_path`` resolves through the factory, in the API server process too
+  when it checks the children's CUDA-graph needs), and loading any connector class from it.
+
+Importing this package does not import vLLM; the classes load on first attribute access.
+Registration is idempotent.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 _LAZY = {
     "KVTierConnector": "kvtier.connectors.kvtier_connector",
@@ -24,15 +34,22 @@ def __getattr__(name: str) -> type:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kvtier.connectors' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    cls: type = getattr(importlib.import_module(module), name)
+    register()  # this package may have been imported before vLLM: the class import loaded it
+    return cls
 
 
 def register() -> None:
-    """vllm.general_plugins entry point: register kvtier's connectors by name."""
+    """vllm.general_plugins entry point: register kvtier's connectors by name (idempotent)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     for name, module in _LAZY.items():
         try:
             KVConnectorFactory.register_connector(name, module, name)
         except ValueError:
-            pass  # already registered (plugins load once per process, but be safe)
+            pass  # already registered: by the entry point or an earlier import
+
+
+# Imported by vLLM (through kv_connector_module_path) with no entry point: register here.
+if "vllm.distributed.kv_transfer.kv_connector.factory" in sys.modules:
+    register()
