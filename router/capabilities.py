@@ -74,5 +74,5 @@ class DecodeCapabilities:
 
     def describe(self) -> dict[str, Any]:
         return {i.name: {"params_feed": i.params_feed, "lease": self.lease[i.name],
-                         "warnings": self.warnings.get(i.name, [])}
+                         "lease_endpoint": i.lease, "warnings": self.warnings.get(i.name, [])}
                 for i in self._cfg.decode_instances}

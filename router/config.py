@@ -154,6 +154,21 @@ class RouterConfig(BaseModel):
     cost_refit: bool = False
     cost_refit_window: int = Field(256, ge=3)
     cost_refit_min_samples: int = Field(16, ge=3)
+    # Learn each reuse path's real cost from the prefill legs this router times
+    # (kvtier.cost.estimator: per path and log-spaced context bucket, the median of the last
+    # ``cost_learn_ring`` legs, blended with the cost model by sample count) and pick the
+    # path per turn by that estimate. ``explore_share``: at most this share of turns takes a
+    # path whose estimate is young or stale (never one known to be worse by
+    # ``explore_margin``, relative). Needs cost_model.
+    cost_learn: bool = False
+    cost_learn_ring: int = Field(32, ge=1, le=1024)
+    explore_share: float = Field(0.05, ge=0.0, le=1.0)
+    explore_margin: float = Field(0.25, ge=0.0)
+    # adaptive retention: price device memory by each decode node's pressure, scraped from its
+    # /metrics in the health loop (router/pressure.py; kvtier.cost.hold.pressure_factor:
+    # horizon × max(0.02, (1 - kv_cache_usage) / (1 + requests_waiting / hold_waiting_ref))).
+    hold_pressure: bool = False
+    hold_waiting_ref: float = Field(4.0, gt=0)
     # Indexer pod namespace: model name the indexer knows; None = request's model.
     indexer_model: str | None = None
     health_interval_s: float = Field(2.0, gt=0)
@@ -246,6 +261,9 @@ class RouterConfig(BaseModel):
                              "(kvtier calibrate --out FILE)")
         if self.cost_refit and self.cost_model is None:
             raise ValueError("cost_refit needs a cost_model to start from "
+                             "(kvtier calibrate --out FILE)")
+        if self.cost_learn and self.cost_model is None:
+            raise ValueError("cost_learn needs a cost_model as its prior "
                              "(kvtier calibrate --out FILE)")
         if self.cost_refit_min_samples > self.cost_refit_window:
             raise ValueError(f"cost_refit_min_samples ({self.cost_refit_min_samples}) cannot "

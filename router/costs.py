@@ -6,8 +6,14 @@ With ``cost_refit`` (``RouterConfig``), every prefill leg the flow times is a sa
 refit that changes the model is logged (``cost refit``, with the new prefill and read terms),
 counted (``kvtier_router_cost_refits_total``), exposed (``kvtier_router_cost_model_seconds``:
 what the model in use predicts, by term) and handed to whoever decides with it
-(``on_change``: the adaptive hold policy). The per-turn path choice reads ``model`` at each
-turn.
+(``on_change``: the adaptive hold policy).
+
+With ``cost_learn``, every such leg also feeds ``kvtier.cost.estimator.PathEstimator`` (what
+the leg's path really cost at its context size; ``kvtier_router_cost_estimate_seconds`` and
+``_samples`` by path and bucket), and the per-turn path choice decides with ``decision_cost``:
+the model in use blended with those estimates, so a path that keeps losing stops being
+chosen. ``explore`` gives a small counted share of turns to a young or stale estimate
+(``kvtier_router_cost_explored_total``). Without it ``decision_cost`` is the model itself.
 
 Threading model: one router event loop owns an instance.
 """
@@ -15,8 +21,10 @@ Threading model: one router event loop owns an instance.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from kvtier.cost.decide import Decision, Offer, TtftCost
+from kvtier.cost.estimator import EstimatedCost, PathEstimator, bucket_label
 from kvtier.cost.model import CostModel
 from kvtier.cost.online import OnlineCost
 from kvtier.ids import ReusePath
@@ -28,9 +36,15 @@ log = logging.getLogger("kvtier.router.costs")
 class RouterCost:
     def __init__(self, model: CostModel | None, metrics: RouterMetrics, *, refit: bool = False,
                  window: int = 256, min_samples: int = 16,
-                 on_change: Callable[[CostModel], None] = lambda m: None) -> None:
+                 on_change: Callable[[CostModel], None] = lambda m: None,
+                 learn: bool = False, ring: int = 32, explore_share: float = 0.05,
+                 explore_margin: float = 0.25) -> None:
         if refit and model is None:
             raise ValueError("cost_refit needs a cost_model to start from")
+        if learn and model is None:
+            raise ValueError("cost_learn needs a cost_model as its prior")
+        self.estimator = (PathEstimator(ring=ring, explore_share=explore_share,
+                                        margin=explore_margin) if learn else None)
         self.metrics = metrics
         self.on_change = on_change
         self.online = (OnlineCost(model, window=window, min_samples=min_samples)
@@ -44,10 +58,32 @@ class RouterCost:
     def model(self) -> CostModel | None:
         return self._model
 
+    def decision_cost(self) -> TtftCost | None:
+        """What the per-turn path choice decides with (module docstring)."""
+        if self.estimator is None or self._model is None:
+            return self._model
+        return self.estimator.view(self._model)
+
+    def explore(self, cost: TtftCost, prompt_tokens: int, offers: Sequence[Offer],
+                chosen: Decision) -> Decision | None:
+        """Another path for this turn, to keep an estimate alive; None: keep ``chosen``."""
+        if self.estimator is None or not isinstance(cost, EstimatedCost):
+            return None
+        d = self.estimator.explore(cost, prompt_tokens, offers, chosen)
+        if d is not None:
+            self.metrics.cost_explored.labels(d.path or ReusePath.NONE.value).inc()
+        return d
+
     def prefill_leg(self, prompt_tokens: int, path: ReusePath, reused_tokens: int,
                     seconds: float) -> None:
         """A prefill leg answered after ``seconds``: ``reused_tokens`` of its
         ``prompt_tokens`` came over ``path`` (none: 0), the rest were computed."""
+        if self.estimator is not None and prompt_tokens > 0:
+            b = self.estimator.observe(path.value, prompt_tokens, seconds)
+            if b is not None:
+                live, n = self.estimator.live(path.value, b)
+                self.metrics.cost_estimate.labels(path.value, bucket_label(b)).set(live or 0.0)
+                self.metrics.cost_estimate_samples.labels(path.value, bucket_label(b)).set(n)
         if self.online is None or prompt_tokens <= 0:
             return
         reused = reused_tokens if path is not ReusePath.NONE else 0

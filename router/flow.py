@@ -110,7 +110,9 @@ class Router:
         self.cost = RouterCost(config.cost_model, self.metrics, refit=config.cost_refit,
                                window=config.cost_refit_window,
                                min_samples=config.cost_refit_min_samples,
-                               on_change=self.retention.set_cost)
+                               on_change=self.retention.set_cost, learn=config.cost_learn,
+                               ring=config.cost_learn_ring, explore_share=config.explore_share,
+                               explore_margin=config.explore_margin)
         relay = Relay(self.legs, self.metrics)
         self.prefill = PrefillLeg(config, self.pool, self.retry, self.legs, self.metrics,
                                   self.cost, self.retention)
@@ -154,6 +156,8 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await self.pool.check_all(self.client, self.cfg.timeouts.health_s)
+            if self.retention.pressure is not None:
+                await self.retention.pressure.sample(self.client, self.cfg.timeouts.health_s)
             await self.refresh_gauges()
             await asyncio.sleep(self.cfg.health_interval_s)
 

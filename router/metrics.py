@@ -102,6 +102,23 @@ class RouterMetrics:
         self.cost_model_seconds = Gauge(p + "cost_model_seconds", "The cost model in use, by "
                                         "term: prefill_fixed, prefill_per_token, PATH_setup",
                                         ["term"], registry=r)
+        # What each path really cost (kvtier.cost.estimator, cost_learn) and the exploration.
+        self.cost_estimate = Gauge(p + "cost_estimate_seconds", "Live estimate of a prefill "
+                                   "leg's seconds by reuse path and context bucket (tokens): "
+                                   "the median of the bucket's recent legs; the decision blends "
+                                   "it with the cost model by sample count", ["path", "bucket"],
+                                   registry=r)
+        self.cost_estimate_samples = Gauge(p + "cost_estimate_samples", "Samples behind each "
+                                           "cost estimate (its ring, bounded)",
+                                           ["path", "bucket"], registry=r)
+        self.cost_explored = Counter(p + "cost_explored", "Turns whose reuse path was taken to "
+                                     "keep a young or stale estimate alive (explore_share), "
+                                     "by the path taken", ["path"], registry=r)
+        # Decode pressure (router/pressure.py, hold_pressure): what prices a held turn.
+        self.decode_pressure = Gauge(p + "decode_pressure", "Each decode node's KV pressure "
+                                     "as last scraped: kv_cache_usage (0-1), requests_waiting, "
+                                     "and the hold price factor (1: idle)",
+                                     ["instance", "signal"], registry=r)
         # Decode leases (router/retention.py): the router's side of retained device KV.
         self.lease_calls = Counter(p + "lease_calls", "Calls to decode nodes' lease servers "
                                    "by op (renew, release) and result (ok, refused, "

@@ -7,7 +7,10 @@ requests (load-aware), then round-robin.
 Ejection has two causes, and each has its own way back:
 
 - ``health``: ``eject_after_failures`` failed health checks in a row, or a refused
-  connection. One successful health check (or leg) readmits.
+  connection. One successful health check (or leg) readmits. A refused connection also
+  turns a ``legs`` ejection into this one: the wedged process is gone, and whatever answers
+  on its address next is a new one (a restarted engine comes back without waiting for
+  traffic to probe it).
 - ``legs``: ``eject_after_failures`` legs in a row that timed out or broke (an engine
   that hangs while its ``/health`` still answers 200). Health checks do not readmit it;
   every ``probe_interval_s`` it is offered one leg (a probe), and the first successful
@@ -149,6 +152,8 @@ class InstancePool:
         """A health check of ``inst`` failed (or it refused a connection: ``hard``, ejects
         now)."""
         inst.failures += 1
+        if hard and inst.ejected == Ejected.LEGS:
+            inst.ejected = Ejected.HEALTH  # refused: the process its legs wedged on is gone
         if hard or inst.failures >= self.eject_after:
             self._eject(inst, Ejected.HEALTH, inst.failures)
 

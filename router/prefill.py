@@ -87,9 +87,10 @@ class PrefillLeg:
                                        self.cfg.block_size) if route is not None else None)
             offered = reuse is not None
             ids = turn.ids
-            path, tokens, reuse, source = plan(reuse, turn.decision, source, matched,
-                                               p_inst.name, len(ids) if ids is not None else 0,
-                                               self.cost.model)
+            path, tokens, reuse, source, choice = plan(
+                reuse, turn.decision, source, matched, p_inst.name,
+                len(ids) if ids is not None else 0, self.cost.decision_cost(), self.cost.explore)
+            turn.log.choice = choice
             if offered and path is not ReusePath.DP_READ:
                 turn.log.refusal = Refusal.BELOW_THRESHOLD  # another path (or none) was cheaper
             kv = KVTransferParams.prefill_request(reuse=reuse, source=source)

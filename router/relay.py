@@ -1,9 +1,10 @@
 """Relaying an engine's stream to the client: decode and direct legs.
 
 A stream reaches ``Relay`` only after its first event proved sane (``legs.open_stream``);
-from then on garbage, a broken connection or an end without ``[DONE]`` (a Responses stream:
-without its closing event) become an in-band error event, never a silently cut 200. Engine
-transfer params are taken out of every event.
+from then on garbage (an event that is not SSE, or whose data is neither ``[DONE]`` nor a JSON
+object), a broken connection or an end without ``[DONE]`` (a Responses stream: without its
+closing event) become an in-band error event, never a silently cut or garbled 200: the
+garbled event itself is not relayed. Engine transfer params are taken out of every event.
 
 A ``Capture`` (the decode leg's, when D's params come from the node's params feed) holds the
 stream's last event (``[DONE]``, or a Responses stream's closing event) until the params for
@@ -18,6 +19,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
+
+import msgspec
 
 from kvtier.router.legs import Legs, StreamBroken
 from kvtier.router.metrics import RouterMetrics
@@ -69,6 +72,9 @@ class Relay:
         try:
             try:
                 async for events in strip_params(stream, found):
+                    bad = not_json(events)
+                    if bad is not None:
+                        raise Garbage(bad[:80].decode(errors="replace"))
                     if events.endswith(DONE):
                         done = True
                         if capture is not None:
@@ -107,6 +113,11 @@ class Relay:
         try:
             try:
                 async for event in named_events(stream):
+                    bad = not_json(event)
+                    if bad is not None:
+                        self.legs.midstream("decode", inst, f"not JSON: {bad[:80]!r}")
+                        yield responses_error_event("upstream decode sent a malformed stream")
+                        return
                     out, kind, _ = clean_named_event(event)
                     if kind in RESPONSE_END_TYPES:
                         last = out
@@ -124,6 +135,26 @@ class Relay:
             yield last
         finally:
             await _closed(stream, capture)
+
+
+_RAW = msgspec.json.Decoder(type=msgspec.Raw)  # checks JSON syntax, builds no objects
+
+
+def not_json(events: bytes) -> bytes | None:
+    """The first ``data:`` line of ``events`` whose data is neither ``[DONE]`` nor a JSON
+    object (what an engine sends mid-stream when its stream turned to garbage), or None."""
+    for line in events.split(b"\n"):
+        if line[:5] == b"data:":
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                continue
+            if data[:1] != b"{":
+                return line
+            try:
+                _RAW.decode(data)
+            except msgspec.DecodeError:
+                return line
+    return None
 
 
 async def _closed(stream: AsyncIterator[bytes], capture: Capture | None) -> None:

@@ -10,7 +10,9 @@ long as somebody renews their lease. ``Retention`` is the flow's one handle on t
   the store keeps the entry, with ``retention: adaptive`` for what ``HoldPolicy`` chose from the
   cost model, the waits observed so far and how often host copies survived (``host_seen``,
   from the indexer at each continuation turn) (0 s: released at once, the host copy or a
-  recompute serves the next turn). The choice and its inputs go to the log and the metrics;
+  recompute serves the next turn), with ``hold_pressure`` priced by the decode node's current
+  KV pressure (``pressure``: ``router/pressure.py``, sampled by the health loop). The choice
+  and its inputs go to the log and the metrics;
 - ``confirm`` renews a taken turn's lease right before its params are offered to a prefill
   (one round trip; for at least ``READ_WINDOW_S``: a prefill declines a read within 5 s of
   the deadline) and patches the fresh deadline into ``remote_blocks_expiry_time``, so a
@@ -47,6 +49,7 @@ from kvtier.ids import PodId
 from kvtier.router.config import RouterConfig
 from kvtier.router.leases import LeaseKeeper
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.pressure import DecodePressure
 from kvtier.router.store import RetainedKV
 from kvtier.transfer_params import NixlParams
 from kvtier.wire.leases import LeaseRequest, Op, ReleaseReason
@@ -97,12 +100,15 @@ class Held:
     basis: str         # renew, conversation, fleet, default
     samples: int       # waits the choice was made from
     host_odds: float | None = None  # with ``host_copy``: how often host copies survived
+    pressure: float | None = None   # with ``hold_pressure``: the decode node's price factor
 
     def fields(self) -> dict[str, object]:
         out: dict[str, object] = {"hold_s": self.hold_s, "hold_basis": self.basis,
                                   "hold_samples": self.samples}
         if self.host_odds is not None:
             out["host_odds"] = self.host_odds
+        if self.pressure is not None:
+            out["hold_pressure"] = self.pressure
         return out
 
 
@@ -120,6 +126,11 @@ class Retention:
                                                         if cfg.hold_default_s is not None
                                                         else cfg.entry_ttl_s, cfg.entry_ttl_s),
                                      horizon_s=cfg.hold_horizon_s)
+        # The decode nodes' KV pressure, sampled by the health loop (hold_pressure).
+        self.pressure = (DecodePressure(((i.name, i.url) for i in cfg.decode_instances),
+                                        metrics, interval_s=cfg.health_interval_s,
+                                        waiting_ref=cfg.hold_waiting_ref)
+                         if self.policy is not None and cfg.hold_pressure else None)
         # (pod, engine request id) of leases a renewal found gone.
         self._gone: OrderedDict[tuple[PodId, str], None] = OrderedDict()
         # (tenant, conversation) -> (monotonic end of its last turn, tokens it left)
@@ -166,13 +177,14 @@ class Retention:
         self._remember(self._last, key, (time.monotonic(), len(entry.covered)))
         if rid is None or not self.has(pod):
             return None
-        choice = self._choose(str(entry.conversation))
+        choice = self._choose(str(entry.conversation), pod)
         hold = min(choice.hold_s, self.cfg.entry_ttl_s)
         self.metrics.hold_choices.labels(choice.basis, "hold" if hold > 0 else "release").inc()
         self.metrics.hold_seconds.observe(hold)
         held = Held(round(hold, 1), choice.basis, choice.samples,
                     round(choice.host_odds, 2)
-                    if self.policy is not None and self.policy.host_copy else None)
+                    if self.policy is not None and self.policy.host_copy else None,
+                    round(choice.pressure, 3) if self.pressure is not None else None)
         if self.policy is not None:
             log.info("hold", extra={"conversation_id": str(entry.conversation), "pod": pod,
                                     **held.fields(), "why": choice.explanation})
@@ -182,11 +194,12 @@ class Retention:
         self.keeper.track(pod, rid, hold)
         return held
 
-    def _choose(self, conversation: str) -> HoldChoice:
+    def _choose(self, conversation: str, pod: PodId) -> HoldChoice:
         if self.policy is None:
             return HoldChoice(self.cfg.entry_ttl_s, "renew", 0, 0.0,
                               "retention: renew: hold while the store keeps the turn")
-        return self.policy.choose(conversation)
+        f = self.pressure.factor(pod) if self.pressure is not None else 1.0
+        return self.policy.choose(conversation, f)
 
     # ---- a turn was taken ------------------------------------------------------------
     def arrived(self, tenant: str, conversation: str) -> None:

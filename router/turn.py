@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.ids import ConversationId, Outcome, PodId, ReusePath
+from kvtier.router.plan import PlanChoice
 from kvtier.router.requests import Inbound
 from kvtier.router.retention import Held
 from kvtier.router.store import RetainedKV, ReuseDecision
@@ -44,6 +45,7 @@ class TurnLog:
     capture: str | None = None       # "feed": D's params come from the node's params feed
     direct: str | None = None        # why the request was served on one instance
     hold: Held | None = None         # how long the retained turn is held (decode leases)
+    choice: PlanChoice | None = None  # the expected costs the reuse path was chosen by
 
     def fields(self) -> dict[str, object]:
         """The line's ``extra`` fields (names as the A/B harness reads them)."""
@@ -57,6 +59,8 @@ class TurnLog:
             out["path"] = self.path.value
         if self.hold is not None:
             out.update(self.hold.fields())
+        if self.choice is not None:
+            out.update(self.choice.fields())
         return out
 
 

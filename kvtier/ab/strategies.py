@@ -300,6 +300,9 @@ class StrategySpec(BaseModel):
                 out["hold_horizon_s"] = self.retention_horizon_s
                 out["cost_model"] = self.cost_model.model_dump()  # type: ignore[union-attr]
                 out["cost_refit"] = self.cost_refit
+                # decide from what each path really cost, and price holds by decode pressure
+                out["cost_learn"] = True
+                out["hold_pressure"] = True
         return out
 
 

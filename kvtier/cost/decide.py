@@ -12,8 +12,11 @@ and the tokens beyond ``local_tokens`` it can supply. Then:
    tokens; what vLLM's ``kv_recompute_threshold`` and kvtier's ``min_cached_token_delta``
    are), an offer below its path's threshold is out (a threshold of 0 admits everything).
 2. **Cost** (with a ``cost`` model). Expected time to the first token on each admitted
-   path, ``CostModel.ttft_s`` (the read, then the prefill of the rest; the engine always
-   computes the last prompt token), against recomputing. Without a cost model an admitted
+   path, ``cost.ttft_s`` (the read, then the prefill of the rest; the engine always
+   computes the last prompt token), against recomputing. ``cost`` is a ``CostModel`` (the
+   calibration) or anything with its ``ttft_s`` (``TtftCost``): the router passes
+   ``kvtier.cost.estimator.EstimatedCost``, the calibration blended with what each path
+   really cost on the turns it timed. Without a cost model an admitted
    offer counts as worth reading: the threshold already said so.
 3. **The tie rule.** A path wins only when it is *strictly* cheaper than the best so far, by
    more than a relative 1e-9: equal costs go to recompute (moving bytes that save nothing
@@ -27,10 +30,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-from kvtier.cost.model import CostModel
+from typing import Protocol
 
 TIE_REL = 1e-9  # relative: costs closer than this are equal
+
+
+class TtftCost(Protocol):
+    """What ``decide`` needs of a cost model: ``CostModel.ttft_s``'s signature."""
+
+    def ttft_s(self, path: str | None, prompt_tokens: int, reused_tokens: int, *,
+               local_tokens: int = 0) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,7 @@ class Decision:
 
 
 def decide(prompt_tokens: int, offers: Sequence[Offer], *, local_tokens: int = 0,
-           cost: CostModel | None = None,
+           cost: TtftCost | None = None,
            thresholds: Mapping[str, int] | None = None) -> Decision:
     """Pick the cheapest way to the first token; see the module docstring for the rules."""
     if prompt_tokens < 1:

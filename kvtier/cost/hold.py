@@ -16,6 +16,19 @@ same expected-gain-minus-holding-price rule the offline sweep uses):
   memory was scarce showed why: the default hold of every conversation's first turn filled the
   decode node and cut its turns per minute to 0.38x of ``host-p2p``'s.
 
+**Pressure.** Device memory is priced by ``horizon_s`` (``kvtier.cost.retention``: holding a
+turn that long costs as much as recomputing it). A constant price ignores whether the decode
+node needs the memory now; so ``choose`` takes the node's current pressure as a factor
+``f`` in (0, 1] (``pressure_factor``, from the node's ``vllm:kv_cache_usage_perc`` ``u`` in
+[0, 1] and ``vllm:num_requests_waiting`` ``q``)::
+
+    f(u, q) = max(PRESSURE_FLOOR, (1 - u) / (1 + q / waiting_ref))
+    horizon_effective = horizon_s · f        default hold = default_hold_s · f
+
+An idle node (u = 0, q = 0) is priced as configured; a full one, or one with requests
+waiting for blocks, makes every held second dearer, so holds shorten (``choose_device_ttl``'s
+best TTL never grows as the price per second rises) down to a release.
+
 A choice of "do not retain" holds for 0 s (release at once). Every choice carries its inputs
 (``HoldChoice``) for the router's log line and metrics.
 
@@ -34,18 +47,33 @@ Threading model: not thread-safe; one router event loop owns an instance.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import TypeVar
 
 from kvtier.cost.model import CostModel
-from kvtier.cost.retention import MAX_TTL_S, WaitSample, choose_device_ttl
+from kvtier.cost.retention import DEFAULT_HORIZON_S, MAX_TTL_S, WaitSample, choose_device_ttl
 
 # A host copy "held" the previous turn when a host tier still has at least this share of its
 # tokens (the router asks the indexer; the simulator its host tiers).
 HOST_HELD_FRACTION = 0.5
 
 _T = TypeVar("_T")
+
+# The least share of the configured price horizon a node under pressure leaves (f > 0: a
+# horizon of 0 would price every held second as infinite).
+PRESSURE_FLOOR = 0.02
+
+
+def pressure_factor(usage: float, waiting: float, waiting_ref: float = 4.0) -> float:
+    """``f(u, q) = max(PRESSURE_FLOOR, (1 - u) / (1 + q / waiting_ref))`` (module
+    docstring): ``usage`` is clipped to [0, 1], ``waiting`` to >= 0."""
+    if waiting_ref <= 0:
+        raise ValueError(f"waiting_ref must be > 0, got {waiting_ref}")
+    u = min(1.0, max(0.0, usage)) if math.isfinite(usage) else 1.0
+    q = max(0.0, waiting) if math.isfinite(waiting) else 0.0
+    return max(PRESSURE_FLOOR, (1.0 - u) / (1.0 + q / waiting_ref))
 
 
 @dataclass(frozen=True)
@@ -56,6 +84,7 @@ class HoldChoice:
     covers_wait_s: float  # the longest wait the hold is meant to cover (0: none)
     explanation: str
     host_odds: float = 0.0  # the chance the choice assumed that a host copy serves the next turn
+    pressure: float = 1.0   # the decode node's pressure factor f the price was scaled by
 
 
 class HoldPolicy:
@@ -118,7 +147,10 @@ class HoldPolicy:
         return host is not None and host.setup_s <= dp.setup_s \
             and host.bytes_per_s >= dp.bytes_per_s
 
-    def choose(self, conversation: str) -> HoldChoice:
+    def choose(self, conversation: str, pressure: float = 1.0) -> HoldChoice:
+        """How long to hold ``conversation``'s turn; ``pressure``: the decode node's factor
+        ``f`` (``pressure_factor``; 1: idle or unknown)."""
+        f = min(1.0, max(PRESSURE_FLOOR, pressure))
         own = self._conv.get(conversation)
         if own is not None and len(own) >= self.min_samples:
             waits, basis = list(own), "conversation"
@@ -130,12 +162,16 @@ class HoldPolicy:
                 return HoldChoice(0.0, "default", 0, 0.0,
                                   "no waits observed yet, but a device read is never faster "
                                   "than the host copy (p2p link no slower than dp_read) -> "
-                                  "no device retention", 1.0)
-            return HoldChoice(self.default_hold_s, "default", 0, 0.0,
-                              f"no waits observed yet: hold {self.default_hold_s:g} s")
-        kw = {"horizon_s": self.horizon_s} if self.horizon_s else {}
+                                  "no device retention", 1.0, f)
+            hold = self.default_hold_s * f
+            return HoldChoice(hold, "default", 0, 0.0,
+                              f"no waits observed yet: hold {self.default_hold_s:g} s x "
+                              f"pressure {f:.2g} = {hold:g} s", pressure=f)
+        horizon = (self.horizon_s or DEFAULT_HORIZON_S) * f
         odds = self.host_odds(conversation)
-        c = choose_device_ttl(self.cost, waits, host_copy=odds, **kw)
+        c = choose_device_ttl(self.cost, waits, host_copy=odds, horizon_s=horizon)
         hold = c.ttl_s if c.retain else 0.0
+        why = c.explanation if f >= 1.0 else (f"decode pressure {f:.2g}: horizon "
+                                              f"{horizon:.3g} s; {c.explanation}")
         return HoldChoice(hold, basis, c.samples, c.covers_wait_s if c.retain else 0.0,
-                          c.explanation, odds)
+                          why, odds, f)

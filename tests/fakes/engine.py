@@ -12,14 +12,16 @@ Every engine call is kept in ``calls`` (with its headers); ``fail(url, ...)`` qu
 to one engine: ``"connect"``, ``"timeout"``, an HTTP status, or, for what a broken engine
 sends with a 200: ``"garbage"`` (not JSON / not SSE), ``"error_event"`` (a stream whose first
 event is an error), ``"midstream"`` (a stream whose connection breaks after one event),
-``"cut"`` (a stream that ends after one event without ``[DONE]``) and ``"bad_event"`` (a
-stream whose second event is not SSE). Streamed answers arrive content chunk by content
+``"cut"`` (a stream that ends after one event without ``[DONE]``), ``"bad_event"`` (a
+stream whose second event is not SSE) and ``"bad_data"`` (a stream whose second event's data
+is not JSON, then ``[DONE]``). Streamed answers arrive content chunk by content
 chunk. ``feed`` (when set) is called, as ``KVTierNixlConnector`` would publish, with the
 engine request id vLLM derives from the leg's ``X-Request-Id`` and D's retained params, for
 every streamed decode leg; ``stream_params=True`` also puts those params into the stream's
 last chunk, as an engine that streams them would.
 
-**Out of process** (``benchmarks/bench_router.py``, ``tests/integration/test_router_workers.py``):
+**Out of process** (``benchmarks/bench_router.py``, ``tests/integration/test_router_workers.py``,
+``tests/integration/test_router_faults_under_load.py``):
 a real HTTP server, a load-generator target fast enough to isolate a proxy's own cost::
 
     python tests/fakes/engine.py --port 9100 --tokens 16 \\
@@ -29,7 +31,14 @@ a real HTTP server, a load-generator target fast enough to isolate a proxy's own
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming and not) with ``--tokens`` tokens
 (``"tok "`` each, ids 100, 101, ...), ``/health``, ``/v1/models`` and ``/tokenize`` (40 ids
 for any text), and mimics vLLM's P/D fields: a P/D leg gets ``kv_transfer_params`` back;
-``return_token_ids`` adds token ids. It keeps no calls and injects no faults.
+``return_token_ids`` adds token ids. It keeps no calls; faults are set from outside, under
+load, by ``POST /fake/faults`` (``{"stall": true}``: completions get no answer until
+``{"stall": false}`` while ``/health`` stays 200, as a wedged engine; ``{"garbage": N}``: the
+next N streamed answers turn to garbage mid-stream, a non-streamed one is cut JSON), and a
+process is killed by its signal. ``--ledger FILE`` appends one line per leg answered in full
+(``read_ledger``): a prefill's params name the request they were computed for, so the ledger
+shows, per answer, which prefill and which decode served it and whether the decode got that
+very request's prefill (one prefill and one decode leg per answer).
 ``--token-delay-ms`` spaces the tokens (a real stream: the first content chunk comes one
 delay after the request). ``--params-feed tcp://HOST:PORT`` makes it a decode node with
 kvtier's params feed (``kvtier.wire.params_feed``): for every finished decode leg (a request
@@ -310,6 +319,9 @@ def _broken(fault: str, stream: bool, request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=_Events([_CHUNK], then_break=request), headers=sse)
     if fault == "cut":
         return httpx.Response(200, stream=_Events([_CHUNK]), headers=sse)
+    if fault == "bad_data":
+        return httpx.Response(200, stream=_Events([_CHUNK, b'data: {"id":"x","choi\n\n',
+                                                   b"data: [DONE]\n\n"]), headers=sse)
     if fault == "bad_event":
         return httpx.Response(200, stream=_Events([_CHUNK, b"\x00\xffjunk\n\n",
                                                    b"data: [DONE]\n\n"]), headers=sse)
@@ -318,10 +330,31 @@ def _broken(fault: str, stream: bool, request: httpx.Request) -> httpx.Response:
 
 # ---- out of process: the load-generator target ------------------------------------------
 PROMPT_IDS = list(range(40))  # what the server's /tokenize answers for any text
+TOKEN = "tok "  # the text of every generated token: an answer of n tokens is TOKEN * n
+
+
+class _ServerFaults:
+    """What ``POST /fake/faults`` set on a server: a stall of its completions (``/health``
+    still 200) and a count of streamed answers to turn to garbage mid-stream."""
+
+    def __init__(self) -> None:
+        self.stall: Any = None  # an asyncio.Event while stalled, set when it recovers
+        self.garbage = 0
+        self.garbled = 0  # answers garbled so far (which garbage shape the next one gets)
+
+    def garble(self) -> bytes | None:
+        """The garbage the next streamed answer turns to, or None (a good answer)."""
+        if self.garbage <= 0:
+            return None
+        self.garbage -= 1
+        self.garbled += 1
+        # Alternately bytes that are not SSE, and a data line that is not JSON (cut short).
+        return (b"\x00\xff\xfe<html>502</html>\n\n" if self.garbled % 2
+                else b'data: {"id":"cmpl-x","object":"text_completion","choi\n\n')
 
 
 def server_app(tokens: int, token_delay_s: float, name: str,
-               params_feed: str | None = None) -> Any:
+               params_feed: str | None = None, ledger_path: str | None = None) -> Any:
     """The out-of-process face as a Starlette app (see the module docstring)."""
     import asyncio
     import time
@@ -333,6 +366,26 @@ def server_app(tokens: int, token_delay_s: float, name: str,
     from starlette.routing import Route
 
     counter = {"n": 0}
+    faults = _ServerFaults()
+    # One line per leg answered (line-buffered: a SIGKILL loses no finished line).
+    ledger = open(ledger_path, "a", buffering=1) if ledger_path else None  # noqa: SIM115
+
+    def record(request: Request, body: dict[str, Any]) -> None:
+        """The ledger line of a leg this engine answered in full (see ``read_ledger``)."""
+        if ledger is None:
+            return
+        rid = request.headers.get("x-request-id", "-")
+        p = body.get("kv_transfer_params") or {}
+        if p.get("do_remote_decode"):
+            ledger.write(f"P {rid} {name} -\n")
+        elif p.get("do_remote_prefill"):
+            # The prefill leg whose params this decode got: its request id must be ours.
+            src = str(p.get("remote_request_id", "")).partition("@")[2]
+            ledger.write(f"D {src or '-'} {name} "
+                         f"{'ok' if src and rid.startswith(src) else 'mismatch'}\n")
+        else:
+            ledger.write(f"X {rid} {name} -\n")
+
     publish: Callable[[Request, dict[str, Any], bool, dict[str, Any] | None, int], None] | None
     publish = None
     if params_feed:
@@ -359,55 +412,70 @@ def server_app(tokens: int, token_delay_s: float, name: str,
             except zmq.ZMQError:
                 pass
 
-    def kv(body: dict[str, Any]) -> dict[str, Any] | None:
+    def kv(body: dict[str, Any], rid: str) -> dict[str, Any] | None:
         p = body.get("kv_transfer_params") or {}
         if p.get("do_remote_decode") or p.get("do_remote_prefill"):
             counter["n"] += 1
             return {"do_remote_prefill": bool(p.get("do_remote_decode")),
                     "do_remote_decode": not p.get("do_remote_decode"),
                     "remote_block_ids": [[1, 2, 3]], "remote_engine_id": name,
-                    "remote_request_id": f"r{counter['n']}", "remote_host": "127.0.0.1",
+                    "remote_request_id": f"r{counter['n']}@{rid}", "remote_host": "127.0.0.1",
                     "remote_port": 5600, "remote_num_tokens": 40, "tp_size": 1}
         return None
 
     async def gen(request: Request) -> Response:
         body = await request.json()
+        if faults.stall is not None:
+            # Wedged: no answer until it recovers (its /health still says 200), and none
+            # at all to a caller that gave up meanwhile.
+            await faults.stall.wait()
+            if await request.is_disconnected():
+                return Response(status_code=499)
         chat = request.url.path.endswith("chat/completions")
         n = min(int(body.get("max_tokens") or tokens), tokens)
         rid = f"cmpl-{time.monotonic_ns()}"
+        xrid = request.headers.get("x-request-id", "-")
         created = int(time.time())
         model = body.get("model", "fake")
         if body.get("stream"):
-            kvp = kv(body) if publish is not None else None
+            kvp = kv(body, xrid) if publish is not None else None
+            junk = faults.garble()
 
             async def events() -> AsyncIterator[bytes]:
                 for i in range(n):
                     if token_delay_s:
                         await asyncio.sleep(token_delay_s)
+                    if junk is not None and i == min(2, n - 1):
+                        yield junk  # mid-stream; the rest follows as if nothing happened
                     if chat:
-                        ch = {"index": 0, "delta": {"content": "tok "}, "finish_reason":
+                        ch = {"index": 0, "delta": {"content": TOKEN}, "finish_reason":
                               "length" if i == n - 1 else None}
                     else:
-                        ch = {"index": 0, "text": "tok ", "finish_reason":
+                        ch = {"index": 0, "text": TOKEN, "finish_reason":
                               "length" if i == n - 1 else None}
                     obj = {"id": rid, "object": "chat.completion.chunk" if chat else
                            "text_completion", "created": created, "model": model, "choices": [ch]}
                     yield ("data: " + json.dumps(obj) + "\n\n").encode()
                 if publish is not None:
                     publish(request, body, chat, kvp, n)
+                if junk is None:
+                    record(request, body)
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         if token_delay_s:
             await asyncio.sleep(token_delay_s * n)
+        if faults.garble() is not None:
+            return Response(b'{"id":"cmpl-x","object":"text_completion","choi', status_code=200,
+                            media_type="application/json")
         ch: dict[str, Any] = {"index": 0, "finish_reason": "length"}
         if chat:
-            ch["message"] = {"role": "assistant", "content": "tok " * n}
+            ch["message"] = {"role": "assistant", "content": TOKEN * n}
         else:
-            ch["text"] = "tok " * n
+            ch["text"] = TOKEN * n
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                "created": created, "model": model, "choices": [ch],
                "usage": {"prompt_tokens": 40, "completion_tokens": n, "total_tokens": 40 + n},
-               "kv_transfer_params": kv(body)}
+               "kv_transfer_params": kv(body, xrid)}
         if publish is not None and body.get("kv_transfer_params"):
             publish(request, body, chat, out["kv_transfer_params"], n)
         if body.get("return_token_ids"):
@@ -416,6 +484,7 @@ def server_app(tokens: int, token_delay_s: float, name: str,
                 out["prompt_token_ids"] = list(range(40))
             else:
                 ch["prompt_token_ids"] = list(range(40))
+        record(request, body)
         return JSONResponse(out)
 
     async def health(_: Request) -> Response:
@@ -427,12 +496,55 @@ def server_app(tokens: int, token_delay_s: float, name: str,
     async def tokenize(_: Request) -> Response:
         return JSONResponse({"count": 40, "tokens": PROMPT_IDS, "max_model_len": 4096})
 
+    async def set_faults(request: Request) -> Response:
+        """``{"stall": true|false, "garbage": N}``, either or both."""
+        body = await request.json()
+        if "stall" in body:
+            if body["stall"] and faults.stall is None:
+                faults.stall = asyncio.Event()
+            elif not body["stall"] and faults.stall is not None:
+                faults.stall.set()
+                faults.stall = None
+        if "garbage" in body:
+            faults.garbage = int(body["garbage"])
+        return JSONResponse({"stall": faults.stall is not None, "garbage": faults.garbage})
+
     return Starlette(routes=[
         Route("/v1/completions", gen, methods=["POST"]),
         Route("/v1/chat/completions", gen, methods=["POST"]),
         Route("/health", health), Route("/v1/models", models),
         Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/fake/faults", set_faults, methods=["POST"]),
     ])
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One ``--ledger`` line: a leg an engine answered in full. ``kind`` P (prefill), D (a
+    decode given a prefill's params) or X (a whole answer: direct, or a decode without
+    params); ``rid`` the router's request id (for D: the one of the prefill whose params it
+    got); ``ok`` for D: whether those params came from a prefill of this same request."""
+
+    kind: str
+    rid: str
+    engine: str
+    ok: bool
+
+
+def read_ledger(*paths: str) -> list[Leg]:
+    """The legs the servers writing ``paths`` answered (a missing file: none)."""
+    out = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) == 4:
+                out.append(Leg(parts[0], parts[1], parts[2], parts[3] != "mismatch"))
+    return out
 
 
 def main() -> None:
@@ -447,8 +559,10 @@ def main() -> None:
     ap.add_argument("--name", default="fake")
     ap.add_argument("--params-feed", default=None, metavar="tcp://HOST:PORT",
                     help="bind kvtier's finished-request params feed here (a decode node)")
+    ap.add_argument("--ledger", default=None, metavar="FILE",
+                    help="append one line per leg answered in full (read_ledger)")
     a = ap.parse_args()
-    uvicorn.run(server_app(a.tokens, a.token_delay_ms / 1e3, a.name, a.params_feed),
+    uvicorn.run(server_app(a.tokens, a.token_delay_ms / 1e3, a.name, a.params_feed, a.ledger),
                 host="127.0.0.1", port=a.port, log_level="warning", access_log=False)
 
 

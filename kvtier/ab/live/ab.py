@@ -10,6 +10,12 @@ the regime's ``slo_ttft_p90_s``) it then sizes the fleet: the concurrent session
 strategy holds at the SLO (``kvtier.ab.sizing``; ``sizing.md``, ``sizing.json``). ``ab-report``
 re-renders a live run's report from its ``report.json`` with this checkout's code.
 
+``--stack STRATEGY=ROUTER_URL`` (repeated) runs on stacks already running instead of starting
+local ones (``kvtier.ab.live.running``): the strategy names label them, their shape and block
+size come from their routers and engines, the same sweep replays the trace through each
+router in turn (``kvtier.ab.live.runner.run_on_stack``), and the report gets a section per
+stack: what was checked against its strategy, what was not, and what it did not allow.
+
 A trace file that carries a regime (``kvtier.ab.regimes``) brings its stack settings: time
 scale, context cap, device TTL, host tier size, the decode nodes' KV capacity; a flag given on
 the command line wins over the file. Every simulation (the ``--simulate`` report, the one next
@@ -28,6 +34,7 @@ import json
 import logging
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +46,29 @@ from kvtier.ab.live.common import (
     resolve_model,
     sim_fleet,
 )
+from kvtier.ab.live.running import MEASUREMENT as RUNNING_MEASUREMENT
+from kvtier.ab.live.running import (
+    RunningStack,
+    StackError,
+    discover,
+    parse_engine_metrics,
+    parse_stacks,
+    reset_prefix_caches,
+    stacks_markdown,
+    verify,
+)
 from kvtier.ab.live.sweep import run_sweep
 from kvtier.ab.records import RunResult, merge_repeats
 from kvtier.ab.regimes import RegimeSettings, read_regime, save_regime
 from kvtier.ab.report import environment_meta, summary_table, write_report
 from kvtier.ab.simulator import simulate_all
-from kvtier.ab.strategies import StrategySpec, parse_list
+from kvtier.ab.strategies import StrategySpec, builtin, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
 from kvtier.cost.model import CostModel
 
 log = logging.getLogger("kvtier.ab")
+
+DEFAULT_STRATEGIES = "recompute,device-ttl,host-p2p,tiered"
 
 
 def default_trace(max_context: int, conversations: int, turns: int, seed: int = 0) -> Trace:
@@ -79,7 +99,11 @@ def _flags(args: argparse.Namespace) -> list[str]:
         if k in ("func", "command") or v is None or v is False:
             continue
         flag = "--" + k.replace("_", "-")
-        out += [flag] if v is True else [flag, str(v)]
+        if isinstance(v, list):  # a repeatable flag (--stack, --engine-metrics)
+            for item in v:
+                out += [flag, str(item)]
+        else:
+            out += [flag] if v is True else [flag, str(v)]
     return out
 
 
@@ -88,6 +112,11 @@ def run_ab(args: argparse.Namespace) -> int:
     quiet_http_logs()
     if getattr(args, "slo_ttft_p90", None) is not None and not args.simulate:
         raise SystemExit("--slo-ttft-p90 sizes the fleet by simulation: add --simulate")
+    stack_args = getattr(args, "stack", None) or []
+    if not stack_args:  # a local run: the defaults `kvtier ab --help` names
+        for k, v in (("strategies", DEFAULT_STRATEGIES), ("prefill", 1), ("decode", 1)):
+            if getattr(args, k, None) is None:
+                setattr(args, k, v)
     model_dir = resolve_model(args.model)
     regime = (read_regime(args.trace) if args.trace else None) or RegimeSettings()
     # the command line wins over the regime file; `_flags` then repeats the values used
@@ -99,6 +128,9 @@ def run_ab(args: argparse.Namespace) -> int:
         args.decode_ttl = regime.decode_ttl_s
     kvbpt, max_ctx = model_facts(model_dir)
     max_ctx = min(max_ctx, args.max_model_len)
+    running = _discover(args, model_dir) if stack_args else {}
+    for st in running.values():
+        max_ctx = min(max_ctx, st.max_model_len or max_ctx)
     if args.trace:
         trace = Trace.load(args.trace)
     else:
@@ -107,11 +139,22 @@ def run_ab(args: argparse.Namespace) -> int:
     if need > max_ctx:
         raise SystemExit(f"trace {trace.name!r} reaches {need} tokens of context; the stack serves "
                          f"at most {max_ctx} (--max-model-len {args.max_model_len}, model limit "
-                         f"{model_facts(model_dir)[1]}): raise --max-model-len or use a shorter trace")
+                         f"{model_facts(model_dir)[1]}"
+                         + "".join(f", {s.strategy}'s engines {s.max_model_len}"
+                                   for s in running.values() if s.max_model_len)
+                         + "): raise --max-model-len or use a shorter trace")
     host_bytes = _mib(args.host_mib) if args.host_mib is not None else \
         regime.host_bytes(trace, kvbpt)
-    specs = [s.topology(args.prefill, args.decode).with_host_bytes(host_bytes)
-             for s in parse_list(args.strategies, args.decode_ttl)]
+    if running:
+        # the strategy names label the stacks; their shape is what the routers show
+        specs = [builtin(name, args.decode_ttl).with_host_bytes(host_bytes) for name in running]
+        shapes = {(st.count("prefill"), st.count("decode")) for st in running.values()}
+        prefill, decode = min(shapes)
+        block_size = _stack_block_size(running, args.block_size)
+    else:
+        specs = [s.topology(args.prefill, args.decode).with_host_bytes(host_bytes)
+                 for s in parse_list(args.strategies, args.decode_ttl)]
+        prefill, decode, block_size = args.prefill, args.decode, args.block_size
     if getattr(args, "cost_refit", False):
         specs = [s.with_cost_refit() for s in specs]
     out = Path(args.out)
@@ -121,14 +164,17 @@ def run_ab(args: argparse.Namespace) -> int:
     else:
         trace.save(out / "trace.jsonl")
     cost = CostModel.model_validate_json(Path(args.cost).read_text()) if args.cost else None
+    topology = (f"{args.prefill}P{args.decode}D local vLLM stack" if not running else
+                "running stacks: " + "; ".join(f"{n} {st.topology} behind {st.url}"
+                                               for n, st in running.items()))
     meta: dict[str, Any] = {"model": f"{args.model} ({model_dir})", "trace": trace.name,
                             "conversations": len(trace.conversations),
                             "turns": sum(len(c.turns) for c in trace.conversations),
                             "time_scale": args.time_scale,
                             # how to run it again (every flag, defaults included)
                             "command": "kvtier ab " + shlex.join(_flags(args)),
-                            "topology": f"{args.prefill}P{args.decode}D local vLLM stack, "
-                                        f"block size {args.block_size}, KV {kvbpt} B/token"}
+                            "topology": f"{topology}, block size {block_size}, "
+                                        f"KV {kvbpt} B/token"}
     if regime != RegimeSettings():
         meta["regime"] = {**regime.model_dump(exclude_defaults=True, mode="json"),
                           "host_bytes_per_instance": host_bytes}
@@ -150,18 +196,30 @@ def run_ab(args: argparse.Namespace) -> int:
     from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy
 
     opts = RunOptions(model=str(model_dir), time_scale=args.time_scale,
-                      block_size=args.block_size, max_model_len=max_ctx,
+                      block_size=block_size, max_model_len=max_ctx,
                       kv_bytes_per_token=kvbpt,
                       log_dir=out / "logs", progress=not args.no_progress,
                       extra_args=regime.extra_args, role_args=regime.role_args(),
                       role_env=regime.role_env())
     meta["environment"] = environment_meta()  # the commit measured, not the one at report time
     t0 = time.time()
-    sw = run_sweep(specs, trace, lambda s, tr: run_strategy(s, tr, opts), cost=cost,
-                   kvbpt=kvbpt, block_size=args.block_size, time_scale=args.time_scale,
-                   log_dir=opts.log_dir, repeats=args.repeats)
+    run_notes: dict[str, dict[str, None]] = {}  # running stacks: what each run could not do
+    if running:
+        run_one = _on_running(running, opts, run_notes)
+    else:
+        def run_one(s: StrategySpec, tr: Trace) -> RunResult:
+            return run_strategy(s, tr, opts)
+    sw = run_sweep(specs, trace, run_one, cost=cost, kvbpt=kvbpt, block_size=block_size,
+                   time_scale=args.time_scale, log_dir=opts.log_dir, repeats=args.repeats)
     meta.update(mode="live", measurement=MEASUREMENT, wall_s=round(time.time() - t0, 1))
-    if sw.adaptive:
+    if running:
+        meta["measurement"] = {**MEASUREMENT, **RUNNING_MEASUREMENT}
+        meta["stacks"] = {n: {**st.describe(), "verified": verify(spec, st),
+                              "run_notes": list(run_notes.get(n, {}))}
+                          for (n, st), spec in zip(running.items(), specs, strict=True)}
+        if len(shapes) > 1:
+            meta["stack_shapes_differ"] = sorted(f"{p}P{d}D" for p, d in shapes)
+    elif sw.adaptive:  # a running stack's router was configured by whoever deployed it
         meta["adaptive"] = sw.adaptive
     if sw.failed:
         meta["failed_strategies"] = sw.failed
@@ -170,7 +228,8 @@ def run_ab(args: argparse.Namespace) -> int:
         return 130 if sw.interrupted else 1
     md = finish_report(sw.results, [s.scaled(args.time_scale) for s in sw.ran],
                        _scaled_trace(trace, args.time_scale), meta, out, kvbpt,
-                       args.prefill, args.decode, args.block_size, regime.decode_num_blocks)
+                       prefill, decode, block_size,
+                       None if running else regime.decode_num_blocks)
     print(summary_table(sw.results))
     if sw.failed:
         print("\nnot in the report (failed): "
@@ -179,6 +238,57 @@ def run_ab(args: argparse.Namespace) -> int:
     if sw.interrupted:
         return 130
     return 0 if not sw.failed and all(r.ok_turns for r in sw.results) else 1
+
+
+def _discover(args: argparse.Namespace, model_dir: Path) -> dict[str, RunningStack]:
+    """Every ``--stack``, found from its router (``--engine-metrics``: its pages as given)."""
+    import httpx
+
+    try:
+        urls = parse_stacks(args.stack)
+        given = parse_engine_metrics(getattr(args, "engine_metrics", None) or [], list(urls))
+        with httpx.Client(timeout=10) as http:
+            found = {n: discover(http, n, u, given.get(n, ()), model_dir.name)
+                     for n, u in urls.items()}
+    except StackError as e:
+        raise SystemExit(str(e)) from None
+    for n, st in found.items():
+        log.info("%s: router %s, %s, model %s, metrics %s", n, st.url, st.topology,
+                 st.model_name, st.source)
+        for note in st.notes:
+            log.warning("%s: %s", n, note)
+    return found
+
+
+def _stack_block_size(running: dict[str, RunningStack], flag: int) -> int:
+    """The stacks' block size when their engines all say the same one, else ``--block-size``."""
+    sizes = {st.block_size for st in running.values() if st.block_size}
+    if len(sizes) == 1 and (size := sizes.pop()) != flag:
+        log.warning("the stacks' engines use block size %d, not --block-size %d: using %d",
+                    size, flag, size)
+        return size
+    if len(sizes) > 1:
+        log.warning("the stacks' engines use block sizes %s: using --block-size %d",
+                    sorted(sizes), flag)
+    return flag
+
+
+def _on_running(running: dict[str, RunningStack], opts: Any,
+                notes: dict[str, dict[str, None]]) -> Callable[[StrategySpec, Trace], RunResult]:
+    """The sweep's ``run_one`` on running stacks: reset the engines' prefix caches where they
+    allow it (what they do not allow goes to ``notes``), then replay."""
+    import httpx
+
+    from kvtier.ab.live.runner import run_on_stack
+
+    def run_one(s: StrategySpec, tr: Trace) -> RunResult:
+        st = running[s.name]
+        with httpx.Client(timeout=10) as http:
+            for n in reset_prefix_caches(http, st):
+                log.warning("%s: %s", s.name, n)
+                notes.setdefault(s.name, {})[n] = None
+        return run_on_stack(s, st, tr, opts)
+    return run_one
 
 
 def run_sizing(args: argparse.Namespace, trace: Trace, specs: list[StrategySpec], cost: CostModel,
@@ -216,11 +326,17 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
     and write the report. Every engine of the local stack shares this host, so the fit also
     finds how much a busy decode slows a prefill (`kvtier.ab.fit.fit_shared_host`) and the
     simulator applies it. ``specs_as_run`` and ``wall_trace`` are in wall-clock seconds
-    (already scaled by the run's time scale)."""
+    (already scaled by the run's time scale). Running stacks (``meta["stacks"]``) get their
+    own section, before the summary; stacks of different shapes are not simulated (one fleet
+    replays every strategy)."""
     meta = {**meta, "kv_bytes_per_token": kvbpt, "block_size": block_size,
             "prefill": prefill, "decode": decode}
     simulated = None
     try:
+        if meta.get("stack_shapes_differ"):
+            raise ValueError(f"the running stacks differ in shape "
+                             f"({', '.join(meta['stack_shapes_differ'])}): one simulated fleet "
+                             f"cannot stand for all of them")
         shared = fit_shared_host(results, kvbpt, block_size, decode_instances=decode)
         fitted = shared.cost
         # live vLLM fixes the TTL at start; with decode leases the router re-chooses online
@@ -237,7 +353,14 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
     except Exception as e:  # noqa: BLE001 - the measured report stands without the simulator
         log.warning("simulator comparison skipped: %s", e)
         meta["simulator_skipped"] = str(e)
-    return write_report(results, out, meta, simulated=simulated)
+    md = write_report(results, out, meta, simulated=simulated)
+    section = stacks_markdown(meta)
+    if section:
+        text = md.read_text()
+        at = text.find("\n## Summary")
+        at = len(text) if at < 0 else at + 1
+        md.write_text(text[:at] + "\n".join(section) + "\n" + text[at:])
+    return md
 
 
 def run_ab_report(args: argparse.Namespace) -> int:

@@ -3,6 +3,8 @@
     kvtier ab [--strategies recompute,device-ttl,host-p2p,tiered] [--trace FILE|--synthetic]
               [--out DIR] [--model tiny|bench|PATH] [--time-scale X]
               [--simulate [--slo-ttft-p90 SECONDS [--max-sessions N]]]
+    kvtier ab --stack STRATEGY=ROUTER_URL [--stack ...] [--engine-metrics STRATEGY=[ROLE=]URL,...]
+              [--trace FILE|--synthetic] [--out DIR] [--model tiny|bench|PATH] [--time-scale X]
     kvtier calibrate [--model tiny] [--stack ROUTER_URL] [--simulate] [--out FILE]
     kvtier demo [--model bench] [--strategies recompute,device-ttl,host-p2p]
     kvtier ab-report DIR [--out DIR] | --all ROOT
@@ -16,6 +18,13 @@ regime trace's SLO) it then sizes the fleet: the most concurrent sessions of the
 trace (copies of its conversations) each strategy holds with a simulated TTFT
 p90 within the SLO (sizing.md, sizing.json).
 
+With ``--stack`` it starts nothing: each STRATEGY=ROUTER_URL is a stack already
+running (started by ``kvtier stack up`` and ``kvtier router``, or deployed),
+labelled with that strategy. The same trace is replayed through each router in
+turn; the engines' metrics pages are found from the router's /healthz, or given
+(``--engine-metrics``). The report says what was checked against each strategy
+and what a running stack did not allow.
+
 Threading model: each command runs on the caller's thread (the runner owns its
 helper threads).
 """
@@ -26,7 +35,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from kvtier.ab.live.ab import run_ab, run_ab_report
+from kvtier.ab.live.ab import DEFAULT_STRATEGIES, run_ab, run_ab_report
 from kvtier.ab.live.calibrate import run_calibrate
 from kvtier.ab.live.demo import DEMO_MODEL, DEMO_STRATEGIES, run_demo
 from kvtier.ab.strategies import STRATEGY_NAMES
@@ -56,6 +65,17 @@ def _ab(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         if args.slo_ttft_p90 is not None and not args.simulate:
             p.error("--slo-ttft-p90 sizes the fleet by simulation: it needs --simulate")
+        if args.engine_metrics and not args.stack:
+            p.error("--engine-metrics names the metrics pages of a --stack")
+        if args.stack:
+            # what a running stack already is: its strategies, shape and settings
+            local = [f for f, v in (("--strategies", args.strategies), ("--prefill", args.prefill),
+                                    ("--decode", args.decode), ("--decode-ttl", args.decode_ttl),
+                                    ("--host-mib", args.host_mib), ("--simulate", args.simulate),
+                                    ("--cost-refit", args.cost_refit)) if v not in (None, False)]
+            if local:
+                p.error(f"{', '.join(local)}: set by the running stacks, not with --stack "
+                        f"(the strategy names come from --stack STRATEGY=ROUTER_URL)")
         return run_ab(args)
     return run
 
@@ -84,8 +104,17 @@ def _common(p: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("ab", help="A/B-compare retention strategies on one trace",
                               description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--strategies", default="recompute,device-ttl,host-p2p,tiered",
-                   help=f"comma list of {', '.join(STRATEGY_NAMES)}")
+    p.add_argument("--strategies", default=None,
+                   help=f"comma list of {', '.join(STRATEGY_NAMES)} "
+                        f"(default {DEFAULT_STRATEGIES})")
+    p.add_argument("--stack", action="append", default=None, metavar="STRATEGY=ROUTER_URL",
+                   help="a stack already running, labelled STRATEGY, reached through its "
+                        "router (repeat for each; instead of starting local stacks)")
+    p.add_argument("--engine-metrics", action="append", default=None,
+                   metavar="STRATEGY=[ROLE=]URL,...",
+                   help="with --stack: that stack's metrics pages (vLLM engines, ROLE prefill|"
+                        "decode|both; decode lease metrics; host tiers) instead of those found "
+                        "from its router's /healthz")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--trace", help="trace file (JSONL, kvtier.ab.traces format)")
     g.add_argument("--synthetic", action="store_true", help="generate a trace (default)")
@@ -104,8 +133,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--host-mib", type=float, default=None,
                    help="host tier size per instance in MiB (default: the regime file's, else "
                         "the config file's, 256)")
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--prefill", type=int, default=None, help="prefill instances (default 1)")
+    p.add_argument("--decode", type=int, default=None, help="decode instances (default 1)")
     p.add_argument("--cost", help="CostModel JSON (from kvtier calibrate --out)")
     p.add_argument("--cost-refit", action="store_true",
                    help="adaptive strategies with decode leases (tiered-adaptive): the router "

@@ -7,8 +7,9 @@ the ledger of what decode nodes pin, and the turn's record.
 - `DeviceLedger`: what decode nodes pin between turns, from the decode legs'
   ``kv_transfer_params`` (``remote_num_tokens`` kept for ``decoder_kv_blocks_ttl``, freed when a
   prefill reads it or at the TTL).
-- `complete_turn` sends one turn through the router; `turn_record` makes its `TurnRecord`
-  from the router's reuse headers and the legs; `split_transfer` shares the run's measured
+- `complete_turn` sends one turn through the router (a running stack's router, whose legs are
+  not seen, gets it streamed: ``kvtier.ab.live.running.stream_turn``); `turn_record` makes its
+  `TurnRecord` from the router's reuse headers and the legs; `split_transfer` shares the run's measured
   transfer time over the turns that read KV.
 
 Threading model: `LegTap` and `DeviceLedger` are called from the router's event loop and the
@@ -149,19 +150,26 @@ def complete_turn(c: httpx.Client, model: str, cid: str, rid: str, prompt: list[
 
 def turn_record(strategy: str, conv_id: str, i: int, t_start: float, t0: float, t1: float,
             legs: list[Leg], prompt: int, gen: list[int] | None, reuse: ReuseReport | None,
-            err: str, ledger: DeviceLedger, cid: str) -> TurnRecord:
+            err: str, ledger: DeviceLedger | None, cid: str, *,
+            first_token: float | None = None) -> TurnRecord:
     """One turn's record: reuse from the router's headers (``reuse``; None when the turn
-    failed), TTFT and what the decode node kept from the legs."""
+    failed), TTFT and what the decode node kept from the legs. Without a prefill leg (a
+    running stack's router, whose legs are not seen) TTFT is ``first_token`` (the
+    ``perf_counter`` at the first streamed token) minus ``t0``, else the whole turn; without
+    a ``ledger`` nothing is counted as retained."""
     path, reused, outcome = ((reuse.path, reuse.tokens, reuse.outcome) if reuse is not None
                              else (ReusePath.NONE, 0, Outcome.NONE))
     pre = next((g for g in legs if g.role == "prefill" and g.ok), None)
     if pre is not None and pre.cached_tokens is not None:
         reused = pre.cached_tokens  # what the engine did, over what the router planned
     dec = next((g for g in reversed(legs) if g.role in ("decode", "direct") and g.ok), None)
-    ttft = pre.t1 - t0 if pre is not None else t1 - t0
-    if path is ReusePath.DP_READ:
+    if pre is not None:
+        ttft = pre.t1 - t0
+    else:
+        ttft = (first_token if first_token is not None else t1) - t0
+    if ledger is not None and path is ReusePath.DP_READ:
         ledger.read(cid)
-    if dec is not None and dec.role == "decode":
+    if ledger is not None and dec is not None and dec.role == "decode":
         kvp = dec.kv_out or {}
         n = kvp.get("remote_num_tokens")
         if kvp.get("remote_block_ids") and isinstance(n, int):

