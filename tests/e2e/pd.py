@@ -4,9 +4,12 @@ e2e helpers its neighbours share."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -78,3 +81,22 @@ def reaped(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
                 state.append(f"{task}:{e}")
         warnings.warn(f"pid {proc.pid} alive {timeout_s:.0f} s after SIGKILL; threads "
                       f"(state:wchan): {state}", stacklevel=2)
+
+
+def spawn_kvtier(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    """``kvtier ARGV...`` as a user runs it, in ``cwd``, in its own process group, output to
+    ``log``."""
+    return subprocess.Popen([sys.executable, "-m", "kvtier.cli", *argv], cwd=cwd,
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM a ``spawn_kvtier`` process group (SIGKILL after 60 s), then reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reaped(proc)

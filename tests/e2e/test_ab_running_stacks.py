@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from kvtier.ab.live.lock import e2e_lock
 from kvtier.runtime import free_ports
-from tests.e2e.pd import reaped
+from tests.e2e.pd import spawn_kvtier, stop_group
 from tests.helpers import wait_until
 
 # Each `kvtier stack up` binds its instances to cores from the first one (one stack per machine,
@@ -48,22 +46,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900),
 STACKS = {"recompute": ["--prefill", "0", "--decode", "1", "--kv-config", "nixl-unidirectional"],
           "device-ttl": []}
 SHAPES = {"recompute": ("0P1D", {"decode-0"}), "device-ttl": ("1P1D", {"prefill-0", "decode-0"})}
-
-
-def _spawn(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvtier.cli", *argv], cwd=cwd,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    reaped(proc)
 
 
 def _healthy(url: str) -> bool:
@@ -86,7 +68,7 @@ def routers(stack_pool, tiny_model, tmp_path_factory) -> Iterator[dict[str, str]
             # spinners demoted (kvtier.devstack.placement) and leaves the next more room.
             for label, flags in STACKS.items():
                 cwd = tmp_path_factory.mktemp(label)
-                proc = _spawn(["stack", "up", *flags], cwd, cwd / "stack-up.log")
+                proc = spawn_kvtier(["stack", "up", *flags], cwd, cwd / "stack-up.log")
                 procs.append(proc)
                 dirs[label] = cwd
                 state = cwd / ".kvtier" / "stack.json"
@@ -98,7 +80,7 @@ def routers(stack_pool, tiny_model, tmp_path_factory) -> Iterator[dict[str, str]
             urls = {}
             for label, cwd in dirs.items():
                 port = free_ports(1)[0]
-                procs.append(_spawn(["router", "--port", str(port)], cwd, cwd / "router.log"))
+                procs.append(spawn_kvtier(["router", "--port", str(port)], cwd, cwd / "router.log"))
                 urls[label] = f"http://127.0.0.1:{port}"
             for label, url in urls.items():
                 assert wait_until(lambda u=url: _healthy(u), 60, 0.2), \
@@ -106,7 +88,7 @@ def routers(stack_pool, tiny_model, tmp_path_factory) -> Iterator[dict[str, str]
             yield urls
         finally:
             for p in reversed(procs):
-                _stop(p)
+                stop_group(p)
 
 
 def test_kvtier_ab_against_two_running_stacks(routers, tmp_path) -> None:

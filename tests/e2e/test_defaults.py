@@ -15,10 +15,8 @@ config to ``.kvtier/stack.json``, which the router reads. Then:
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +26,7 @@ import pytest
 
 from kvtier.ab.live.lock import e2e_lock
 from kvtier.runtime import free_ports
-from tests.e2e.pd import metric, reaped
+from tests.e2e.pd import metric, reaped, spawn_kvtier, stop_group
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -40,29 +38,13 @@ SYSTEM = {"role": "system", "content": " ".join(
     f"rule {i}: answer briefly and cite the tool output when relevant." for i in range(10))}
 
 
-def _spawn(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvtier.cli", *argv], cwd=cwd,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    reaped(proc)
-
-
 @pytest.fixture(scope="module")
 def workdir(stack_pool, tiny_model, tmp_path_factory) -> Iterator[tuple[Path, dict]]:
     """``kvtier stack up`` at its defaults in a fresh working directory; its state file."""
     stack_pool.release()  # this module runs its own stack, under the machine-wide lock
     cwd = tmp_path_factory.mktemp("defaults")
     with e2e_lock():
-        proc = _spawn(["stack", "up"], cwd, cwd / "stack-up.log")
+        proc = spawn_kvtier(["stack", "up"], cwd, cwd / "stack-up.log")
         state_file = cwd / ".kvtier" / "stack.json"
         try:
             up = wait_until(lambda: state_file.exists() or proc.poll() is not None, 300, 0.5)
@@ -71,11 +53,11 @@ def workdir(stack_pool, tiny_model, tmp_path_factory) -> Iterator[tuple[Path, di
             time.sleep(0.2)  # the file is written whole before the line is printed
             yield cwd, json.loads(state_file.read_text())
         finally:
-            _stop(proc)
+            stop_group(proc)
 
 
 def _router(cwd: Path, port: int) -> subprocess.Popen:
-    return _spawn(["router", "--port", str(port)], cwd, cwd / f"router-{port}.log")
+    return spawn_kvtier(["router", "--port", str(port)], cwd, cwd / f"router-{port}.log")
 
 
 def _healthy(http: httpx.Client, url: str) -> bool:

@@ -18,12 +18,11 @@ from kvtier.reuse_gate import DEFAULT_MIN_CACHED_TOKEN_DELTA, gains_enough
 from kvtier.router.config import RouterConfig
 from kvtier.router.indexer_client import Route
 from kvtier.tier.config import HostTierConfig
-from kvtier.tier.peer import FetchResult
 from kvtier.tier.scheduler import TierScheduler
 from kvtier.tier.spec import HostTierSpec, KVGeometry
 from kvtier.transfer_params import RemoteKVSource
 from kvtier.wire.indexer_api import Source
-from kvtier.wire.peer import Identity
+from tests.fakes.peer import RecordingPeer
 
 TARGET, PEER = PodId("prefill-0"), PodId("peer-1")
 HELD = 8  # tokens the target already holds (block size 1 so any delta is expressible)
@@ -43,23 +42,6 @@ def _indexer(threshold: int, gain: int) -> bool:
     return choice.source is not None
 
 
-class _Peer:
-    """Stands in for PeerClient at the one seam this test does not cross (the transfer):
-    records what the scheduler asks it to fetch."""
-
-    identity = Identity("tiny-llama", 1, 0, "x", 1024)
-
-    def __init__(self) -> None:
-        self.fetched: list[int] = []
-
-    def fetch(self, host: str, port: int, keys: list, metas: list) -> FetchResult:
-        self.fetched.append(len(keys))
-        return FetchResult(0, 0, "test")
-
-    def close(self) -> None:
-        pass
-
-
 def _engine(threshold: int, gain: int) -> bool:
     spec = HostTierSpec(HostTierConfig(cpu_bytes_to_use=64 * 1024,
                                        min_cached_token_delta=threshold),
@@ -67,7 +49,7 @@ def _engine(threshold: int, gain: int) -> bool:
                         engine_model="tiny-llama")
     base = spec.get_scheduler()
     try:
-        peer = _Peer()
+        peer = RecordingPeer()
         sched = TierScheduler(base.tier, base.hasher, 1, peer=peer,  # type: ignore[arg-type]
                               min_cached_token_delta=base.min_cached_token_delta)
         prompt = list(range(1, HELD + gain + 3))

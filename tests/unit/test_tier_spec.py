@@ -7,11 +7,10 @@ import pytest
 from kvtier.reuse_gate import DEFAULT_MIN_CACHED_TOKEN_DELTA
 from kvtier.runtime import free_ports
 from kvtier.tier.config import HostTierConfig
-from kvtier.tier.peer import FetchResult
 from kvtier.tier.scheduler import TierScheduler
 from kvtier.tier.spec import HostTierSpec, KVGeometry, check_block_size
 from kvtier.transfer_params import RemoteKVSource
-from kvtier.wire.peer import Identity
+from tests.fakes.peer import RecordingPeer
 
 GEOMETRY = KVGeometry(block_size=4, slot_bytes=1024, num_blocks=16,
                       layer_names=("l0", "l1"), layout="test|bs4")
@@ -50,22 +49,6 @@ def test_metrics_are_a_service_the_scheduler_closes():
     sched.close()
 
 
-class _Peer:
-    """Stands in for PeerClient: records what the scheduler asks it to fetch."""
-
-    identity = Identity("tiny-llama", 1, 0, "x", 1024)
-
-    def __init__(self) -> None:
-        self.fetched: list[int] = []
-
-    def fetch(self, host: str, port: int, keys: list, metas: list) -> FetchResult:
-        self.fetched.append(len(keys))
-        return FetchResult(0, 0, "test")
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("gain,pulls", [(4, False), (5, True), (6, True)],
                          ids=["threshold-1", "threshold", "threshold+1"])
 def test_the_engine_gates_a_peer_pull_at_the_threshold(gain, pulls):
@@ -75,7 +58,7 @@ def test_the_engine_gates_a_peer_pull_at_the_threshold(gain, pulls):
                         KVGeometry(1, 1024, 16, ("l0",), "x"), engine_id="e1",
                         engine_model="tiny-llama")
     sched = spec.get_scheduler()
-    peer = _Peer()
+    peer = RecordingPeer()
     gated = TierScheduler(sched.tier, sched.hasher, 1, peer=peer,  # type: ignore[arg-type]
                           min_cached_token_delta=sched.min_cached_token_delta)
     src = RemoteKVSource(pod="p", host="127.0.0.1", port=9, num_tokens=gain)
