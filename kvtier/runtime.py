@@ -27,8 +27,10 @@ import logging
 import random
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -229,13 +231,22 @@ class ServerThread:
                     raise RuntimeError(f"server {self._thread.name} did not start on "
                                        f"{self.url}: {self._why()}")
                 if time.monotonic() > deadline:
+                    where = self._where()  # before stop(): the line its startup waits on
                     self.stop()
                     raise RuntimeError(f"server {self._thread.name} did not start on "
-                                       f"{self.url} within {timeout_s:g} s: {self._why()}")
+                                       f"{self.url} within {timeout_s:g} s: {self._why()}; "
+                                       f"its thread was at (innermost last):\n{where}")
                 time.sleep(0.02)
         finally:
             uv_log.removeHandler(self._errors)
         return self
+
+    def _where(self) -> str:
+        """The server thread's current stack, innermost frame last."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        if frame is None:
+            return "(its thread is gone)"
+        return "".join(traceback.format_stack(frame, limit=16)).rstrip()
 
     def _why(self) -> str:
         said = "; ".join(self._errors.lines[-3:])

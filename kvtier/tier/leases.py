@@ -27,6 +27,8 @@ leases_renewed_total                 counter  renewals that extended a live leas
 leases_released_total{reason}        counter  early releases (closed|dropped|trimmed|moved|other)
 leases_expired_total                 counter  leases that ran out (not renewed, or TTL bound)
 leases_read_total                    counter  leases ended by the next turn's read
+expiry_lag_seconds_total             counter  sum, over expired leases, of deadline -> freed
+expiry_lag_seconds_max               gauge    the longest such lag (an engine slow to free)
 ===================================  =======  ==============================================
 
 Threading model: ``LeaseTable`` is thread-safe (one lock): the scheduler thread grants,
@@ -86,6 +88,9 @@ class LeaseTable:
         self._since = clock()
         self.counts: dict[str, int] = {"granted": 0, "renewed": 0, "expired": 0, "read": 0}
         self.released: dict[str, int] = {r.value: 0 for r in ReleaseReason}
+        # How long after its deadline the engine freed an expired lease's blocks.
+        self._lag_total = 0.0
+        self._lag_max = 0.0
 
     # ---- the scheduler's side ------------------------------------------------
     def grant(self, request_id: str, blocks: int, ttl_deadline: float,
@@ -122,6 +127,9 @@ class LeaseTable:
                     continue  # counted when released
                 if now >= lease.deadline - _EXPIRY_SLACK_S:
                     self.counts["expired"] += 1
+                    lag = max(0.0, now - lease.deadline)
+                    self._lag_total += lag
+                    self._lag_max = max(self._lag_max, lag)
                 else:
                     self.counts["read"] += 1
 
@@ -172,7 +180,8 @@ class LeaseTable:
             self._tick()
             return {"blocks_retained": self._blocks, "leases_held": len(self._leases),
                     "block_seconds_held": self._block_seconds, **self.counts,
-                    "released": dict(self.released), "default_lease_s": self.default_lease_s}
+                    "released": dict(self.released), "default_lease_s": self.default_lease_s,
+                    "expiry_lag_s_total": self._lag_total, "expiry_lag_s_max": self._lag_max}
 
 
 class LeaseServer:
@@ -253,6 +262,10 @@ class LeaseCollector(Collector):
         yield self._fam(c, "leases_renewed", "Renewals that extended a lease", s["renewed"])
         yield self._fam(c, "leases_expired", "Leases that ran out", s["expired"])
         yield self._fam(c, "leases_read", "Leases ended by the next turn's read", s["read"])
+        yield self._fam(c, "expiry_lag_seconds", "Sum over expired leases of the time from "
+                        "the deadline to the engine freeing the blocks", s["expiry_lag_s_total"])
+        yield self._fam(g, "expiry_lag_seconds_max", "Longest time from an expired lease's "
+                        "deadline to the engine freeing its blocks", s["expiry_lag_s_max"])
         rel = c(self.PREFIX + "leases_released", "Leases released early, by reason",
                 labels=["pod", "reason"])
         for reason, n in sorted(s["released"].items()):

@@ -85,10 +85,12 @@ def reaped(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 def spawn_kvtier(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     """``kvtier ARGV...`` as a user runs it, in ``cwd``, in its own process group, output to
-    ``log``."""
+    ``log``. The group stays in the caller's session: Linux's autogroup scheduling weighs
+    nice levels only within a session, and a stack demotes its engines' idle NIXL threads
+    (``kvtier.devstack.placement``) so that they yield to the test and its router."""
     return subprocess.Popen([sys.executable, "-m", "kvtier.cli", *argv], cwd=cwd,
                             stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            process_group=0, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def stop_group(proc: subprocess.Popen) -> None:

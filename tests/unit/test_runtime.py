@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -51,6 +52,27 @@ def test_startup_failure_is_reported_with_its_cause() -> None:
     srv = ServerThread(_app(fail_startup=True), name="kvtier-test")
     with pytest.raises(RuntimeError, match="kvtier-test did not start.*unreachable"):
         srv.start(timeout_s=20)
+
+
+def test_a_startup_that_hangs_is_reported_with_the_line_it_waits_on() -> None:
+    gate = threading.Event()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        _wedged_startup(gate)
+        yield
+
+    srv = ServerThread(Starlette(lifespan=lifespan), name="kvtier-test")
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)within 0.5 s.*_wedged_startup"):
+            srv.start(timeout_s=0.5)
+    finally:
+        gate.set()
+        srv.stop()
+
+
+def _wedged_startup(gate: threading.Event) -> None:
+    gate.wait(2)  # a synchronous wait on the loop: startup hangs past the timeout
 
 
 def test_taken_port_is_an_oserror_at_construction() -> None:

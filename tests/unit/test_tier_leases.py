@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from kvtier.tier.leases import LeaseMetricsServer, LeaseServer, LeaseTable
+from kvtier.tier.leases import LeaseCollector, LeaseMetricsServer, LeaseServer, LeaseTable
 from kvtier.wire.leases import (
     LeaseReply,
     LeaseRequest,
@@ -78,6 +78,30 @@ def test_finished_tells_read_from_expired(table, clock):
     table.finished(["late"])
     s = table.snapshot()
     assert (s["read"], s["expired"], s["leases_held"]) == (1, 1, 0)
+    assert s["expiry_lag_s_total"] == s["expiry_lag_s_max"] == 0.0  # freed at its deadline
+
+
+def test_expiry_lag_is_the_time_from_deadline_to_free(table, clock):
+    """An engine slow to free an expired lease's blocks shows as lag (the node's own clock),
+    reads and releases do not."""
+    table.grant("slow", 2, ttl_deadline=580.0)      # deadline 130
+    table.grant("slower", 2, ttl_deadline=580.0)    # deadline 130
+    table.grant("read", 2, ttl_deadline=580.0)
+    clock.t = 105.0
+    table.finished(["read"])
+    clock.t = 130.5
+    table.finished(["slow"])
+    clock.t = 133.0
+    table.finished(["slower"])
+    s = table.snapshot()
+    assert (s["expired"], s["read"]) == (2, 1)
+    assert s["expiry_lag_s_max"] == pytest.approx(3.0)
+    assert s["expiry_lag_s_total"] == pytest.approx(3.5)
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(LeaseCollector(table, "d0"))
+    text = generate_latest(reg).decode()
+    assert 'kvtier_decode_expiry_lag_seconds_max{pod="d0"} 3.0' in text
+    assert 'kvtier_decode_expiry_lag_seconds_total{pod="d0"} 3.5' in text
 
 
 def test_block_seconds_integrate_what_was_held(table, clock):

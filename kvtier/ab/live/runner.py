@@ -243,6 +243,9 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
             # A slow prefill is the measurement, not a fault: no leg times out
             # before the turn itself would.
             "timeouts": {"prefill_s": opts.turn_timeout_s, "decode_idle_s": opts.turn_timeout_s},
+            # Turns are sent whole and timed by their legs (the tap): nothing is streamed,
+            # so no decode node needs a params feed (and none is warned about).
+            "stream_capture": "buffered",
             **spec.router_settings()})
         served = es.enter_context(capture_served())
         srv = es.enter_context(RouterServer(rcfg, transport=tap))
@@ -407,6 +410,8 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
         meta["router_retention"].setdefault("retention", "renew")
         if rs.get("cost_refit"):
             meta["router_cost"] = router_cost(http, target.url, rs["cost_model"])
+    if tap is not None:
+        meta["router_faults"] = router_faults(http, target.url)
     counted_s = own.finish(http)
     if math.isfinite(counted_s):
         meta.update(device_block_s_counted=counted_s,
@@ -414,6 +419,25 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
     elif own.urls:
         meta["device_blocks_source"] = f"{source} (decode metrics not readable)"
     return RunResult(spec.name, records, memory, meta)
+
+
+# The router's own counts of what went wrong during a run: a turn served by a fallback is
+# a turn measured on another path, and the report must be able to say so.
+_FAULT_METRICS = ("kvtier_router_upstream_errors_total", "kvtier_router_retries_total",
+                  "kvtier_router_instance_ejections_total",
+                  "kvtier_router_indexer_unavailable_total",
+                  "kvtier_router_event_loop_stall_seconds_count")
+
+
+def router_faults(http: httpx.Client, router_url: str) -> list[str]:
+    """The non-zero fault samples of the router's ``/metrics`` (failed legs by kind, retries,
+    ejections, indexer calls that failed, event-loop stalls) at the end of a run."""
+    try:
+        text = http.get(f"{router_url}/metrics", timeout=5).text
+    except httpx.HTTPError as e:
+        return [f"unreadable: {e!r}"]
+    return [ln for ln in text.splitlines()
+            if ln.startswith(_FAULT_METRICS) and not ln.rstrip().endswith(" 0.0")]
 
 
 def router_cost(http: httpx.Client, router_url: str, deployed: dict[str, Any]) -> dict[str, Any]:
