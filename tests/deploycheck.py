@@ -47,6 +47,8 @@ CRD_GROUPS = ("monitoring.coreos.com/",)
 ALLOWED_ENV = {
     "VLLM_NO_USAGE_STATS": "vLLM: no usage report",
     "VLLM_CPU_KVCACHE_SPACE": "vLLM-CPU: KV cache GiB",
+    "VLLM_CPU_OMP_THREADS_BIND": "vLLM-CPU: which cores its OpenMP threads take",
+    "OMP_NUM_THREADS": "OpenMP (torch): how many threads",
     "UCX_TLS": "UCX, NIXL's transport: which transports",
     "UCX_NET_DEVICES": "UCX: which network device",
     "HF_TOKEN": "huggingface_hub: downloads of gated models",

@@ -15,7 +15,8 @@ The rendered objects are the source of truth; what differs from a cluster is lis
   lives under a directory only root may enter, so every process runs as root.
 - **Env.** The container's ``env`` in order, ``$(NAME)`` expanded as Kubernetes does
   (``$$`` escapes), ConfigMap keys read from the rendered ConfigMaps, ``metadata.name`` the pod's
-  name, ``status.podIP`` its address; the service-link variables Kubernetes adds for every
+  name, ``status.podIP`` its address, a ``resourceFieldRef`` the container's request or limit
+  (``requests.cpu: 1`` -> ``1``); the service-link variables Kubernetes adds for every
   Service with a cluster IP (``KVTIER_REDIS_SERVICE_HOST``, ``KVTIER_REDIS_PORT``, ...); and no
   variable of the test's own environment (a base ``PATH``, ``HOME``, ``LANG``,
   ``PYTHONUNBUFFERED`` only).
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -91,6 +93,11 @@ def quantity(q: str) -> int:
         if q.endswith(unit):
             return int(float(q[: -len(unit)]) * mult)
     return int(q)
+
+
+def _cpu(q: str) -> float:
+    """A CPU quantity (``500m``, ``1``, ``0.5``) in cores."""
+    return int(q[:-1]) / 1000 if q.endswith("m") else float(q)
 
 
 def _gen(n: int, seed: str | None = None) -> str:
@@ -231,9 +238,24 @@ class Cluster:
                 fields = {"metadata.name": pod.name, "status.podIP": pod.address,
                           "metadata.namespace": NAMESPACE}
                 env[e["name"]] = fields[path]
+            elif "resourceFieldRef" in src:
+                env[e["name"]] = self._resource(pod, c, src["resourceFieldRef"])
             else:
                 raise NotImplementedError(f"{pod.name}: env {e['name']}: {src}")
         return env
+
+    def _resource(self, pod: Pod, c: dict[str, Any], ref: dict[str, Any]) -> str:
+        """A ``resourceFieldRef``: the named container's request or limit in units of its
+        ``divisor``, rounded up as the kubelet does (``requests.cpu: 1`` -> ``"1"``)."""
+        name = ref.get("containerName", c["name"])
+        target = next(x for x in containers(pod.workload) if x["name"] == name)
+        kind, _, res = ref["resource"].partition(".")
+        have = target.get("resources", {}).get(kind, {}).get(res)
+        if have is None:
+            raise NotImplementedError(f"{pod.name}: {ref['resource']} of {name} is not set")
+        amount = quantity(str(have)) if res != "cpu" else _cpu(str(have))
+        div = str(ref.get("divisor", "1"))
+        return str(math.ceil(amount / (quantity(div) if res != "cpu" else _cpu(div))))
 
     def _volumes(self, pod: Pod, c: dict[str, Any]) -> list[str]:
         """Shell lines mounting the container's volumes in its own mount namespace."""

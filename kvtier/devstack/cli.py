@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def _stack_up(args: argparse.Namespace) -> int:
         decode=args.decode,
         kv_transfer_config=load_config_file(args.kv_config),
         base_port=args.base_port,
+        num_blocks=args.num_blocks,
+        cpus=args.cpus,
     )
     stack = LocalStack(spec, Path(args.log_dir))
     # `kvtier` installed kvtier.runtime's SIGTERM policy: `kill` unwinds like Ctrl-C.
@@ -57,6 +60,24 @@ def _stack_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stack.stop()
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``--cpus`` (``1``, ``0,1``, ``0-3``) as core ids, in the order given; ArgumentTypeError
+    for a core this process may not use."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected core ids like 1 or 0,1 or 0-3") \
+            from None
+    allowed = os.sched_getaffinity(0)
+    if not out or any(c not in allowed for c in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: this process may use cores "
+                                         f"{sorted(allowed)} only")
+    return tuple(out)
 
 
 def _stack_place(args: argparse.Namespace) -> int:
@@ -85,6 +106,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="name of a --kv-transfer-config file in configs/ (default "
                          f"{DEFAULT_KV_CONFIG}: vLLM's bidirectional NixlConnector with kvtier's "
                          "params feed, so streamed turns keep their KV, and decode leases)")
+    up.add_argument("--num-blocks", type=int, default=None,
+                    help="KV capacity of each instance in blocks (--num-gpu-blocks-override; "
+                         "default: vLLM's own sizing, on the CPU VLLM_CPU_KVCACHE_SPACE=1 GiB)")
+    up.add_argument("--cpus", type=parse_cpus, default=None, metavar="LIST",
+                    help="cores to bind the instances to, one each in turn (e.g. 1 or 0,1; "
+                         "default: every core this process may use, from the first). Give "
+                         "a second stack on the same machine cores of its own")
     up.add_argument("--base-port", type=int, default=None,
                     help="first of 8 consecutive ports per instance (default: OS-assigned)")
     up.add_argument("--log-dir", default=".kvtier/logs")

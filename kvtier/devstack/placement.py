@@ -26,6 +26,12 @@ D decoding); at nice 19 up to 270 ms, at nice 10 up to 35 ms. At nice 10 a spinn
 ~10% of a busy core (CFS weight 110 against 1024) and all of an idle one, which costs nothing.
 ``nice=None`` keeps the old SCHED_IDLE behaviour.
 
+Nice levels (and SCHED_IDLE) weigh threads within one session only: Linux schedules each
+session as one group (autogroup, on by default), so a spinner demoted here still takes a full
+share of its core from work in other sessions. `LocalStack` keeps its instances in its own
+session for that reason (kvtier.devstack.stack); two stacks on one machine yield to each other
+only when started from one session.
+
 Nothing here imports vLLM; it reads ``/proc`` (Linux only).
 
 Threading model: plain functions, called from the stack launcher's thread.

@@ -168,6 +168,10 @@ class StackSpec(BaseModel):
     kv_cache_gib: int = 1
     num_blocks: int | None = Field(None, ge=1)  # see InstanceSpec.num_blocks
     base_port: int | None = None  # None: ports picked by the OS
+    # The cores the instances are bound to, one each in turn (VLLM_CPU_OMP_THREADS_BIND: one
+    # OpenMP thread per instance). None: every core this process may use, from the first. Two
+    # stacks on one machine each start from the first core unless given their own.
+    cpus: tuple[int, ...] | None = Field(None, min_length=1)
     extra_args: tuple[str, ...] = ()
     # CPU platform, after start (kvtier.devstack.placement): "full" moves each model thread back to
     # its core and gives NIXL's busy-polling threads a low priority; "rebind" only the former;
@@ -192,7 +196,7 @@ class StackSpec(BaseModel):
             ports = free_ports(PORTS_PER_INSTANCE * total)
         else:
             ports = list(range(self.base_port, self.base_port + PORTS_PER_INSTANCE * total))
-        cpus = sorted(os.sched_getaffinity(0))
+        cpus = list(self.cpus) if self.cpus is not None else sorted(os.sched_getaffinity(0))
         out = []
         roles = [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
         counters = {Role.PREFILL: 0, Role.DECODE: 0}

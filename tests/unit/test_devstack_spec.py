@@ -1,9 +1,11 @@
+import argparse
 import json
 
 import pytest
 
 import kvtier.devstack.platform as stack_mod
 from kvtier.configs import CONFIG_DIR, load_config_file
+from kvtier.devstack.cli import parse_cpus
 from kvtier.devstack.spec import PORTS_PER_INSTANCE, StackSpec
 from kvtier.ids import Role
 
@@ -17,6 +19,24 @@ def test_instances_get_distinct_ports_roles_and_cores():
                                        i.tier_events_port, i.tier_replay_port, i.tier_p2p_port,
                                        i.tier_metrics_port)]
     assert len(ports) == len(set(ports)) == PORTS_PER_INSTANCE * 3
+
+
+def test_instances_take_the_stacks_cores_in_turn(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    spec = StackSpec(model="/m", prefill=1, decode=2)
+    assert [i.cpu_bind for i in spec.instances()] == ["0", "1", "2"]
+    spec = StackSpec(model="/m", prefill=1, decode=2, cpus=(3, 1))
+    assert [i.cpu_bind for i in spec.instances()] == ["3", "1", "3"]
+    assert spec.instances()[2].env()["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+
+
+def test_stack_up_cpus_parse_and_refuse_cores_out_of_reach(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert parse_cpus("1") == (1,)
+    assert parse_cpus("3,0-1") == (3, 0, 1)
+    for bad in ("4", "x", "", "1,"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_cpus(bad)
 
 
 def test_base_port_is_consecutive():

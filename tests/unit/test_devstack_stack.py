@@ -63,6 +63,19 @@ def test_lost_port_race_restarts_with_fresh_ports_and_stops_cleanly(fake_server)
         os.kill(pid, 0)
 
 
+def test_instances_stay_in_the_owners_session_each_in_a_process_group(fake_server):
+    """One session (Linux weighs nice levels within a session only: the placement's demoted
+    spinners must yield to the owner's other work), a process group each (stop() kills it)."""
+    import os
+
+    (fake_server / "marker").touch()  # the stand-in serves at once (no port race)
+    with LocalStack(StackSpec(model="/m", prefill=1, decode=1), fake_server / "logs",
+                    startup_timeout_s=30) as stack:
+        pids = [i.proc.pid for i in stack.instances]
+        assert [os.getsid(p) for p in pids] == [os.getsid(0)] * 2
+        assert [os.getpgid(p) for p in pids] == pids
+
+
 def test_a_crash_at_startup_raises_with_the_log_tail(fake_server, monkeypatch):
     monkeypatch.setenv("FAKE_MODE", "crash")
     stack = LocalStack(StackSpec(model="/m", prefill=1, decode=0), fake_server / "logs",
