@@ -2,7 +2,7 @@
 
 Geometry: Llama-3.1-8B's KV (32 layers, 8 KV heads of 128, bf16, block size 16: 2 MiB per
 block of all layers) in vLLM's FlashAttention layout ([2, num_blocks, 16, 8, 128] per
-layer). Store = TierWorker.run(stores) until the store is reported done (take_done);
+layer). Store = TierWorker.run(stores) until the store has landed (wait_stores);
 load = TierWorker.run(loads) + synchronize. Reference: one contiguous
 ``copy_(non_blocking=True)`` of the same number of bytes between the device and
 ``pin_memory()`` host memory (cudaMemcpyAsync on pinned memory), and the same into the
@@ -66,6 +66,7 @@ def main() -> None:
 
         def store(b=blocks):
             w.run([], [StoreOp(next(job), "r", b, sl)])
+            w.wait_stores()  # stores are polled: wait here for the timing
             w.take_done()
             w.take_finished_sending()
 

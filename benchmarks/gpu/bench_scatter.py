@@ -56,7 +56,7 @@ def run_pattern(name: str, num_blocks: int, ids: tuple[int, ...], pool_slots: in
         err = None
         try:
             w = TierWorker(f"scat-{uuid.uuid4().hex}", pool_slots, BLOCK_BYTES, num_blocks,
-                           tuple(kv), stage_bytes=stage)
+                           tuple(kv), stage_bytes=stage, dma_stores=False)  # the gather paths
             w.register_kv_caches(kv)
             assert w._cuda is not None
             used_graph = w._cuda._graphs is not None
@@ -67,6 +67,7 @@ def run_pattern(name: str, num_blocks: int, ids: tuple[int, ...], pool_slots: in
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 w.run([], [StoreOp(r, f"r{r}", ids, slots)])
+                w.wait_stores()
                 w.take_done()
                 ts.append(time.perf_counter() - t)
             assert w._pool_t is not None

@@ -20,9 +20,13 @@ system several times that.
 layouts (CUDA, block dimension not outermost) use torch gather/scatter.
 
 CUDA path (the KV tensors live on a GPU): the pool is pinned through the
-spec's ``HostPins`` and the copies run on side streams (``kvtier.tier.cuda_copy``);
-stores are reported done (``take_finished_sending``, ``take_done``) only once
-their event has completed.
+spec's ``HostPins`` and the copies run on side streams (``kvtier.tier.cuda_copy``).
+Stores are reported done (``take_finished_sending``,
+``take_done``) once their event has completed, and are polled, never waited for:
+a store runs beside the next steps' forwards, and waiting for it in
+``get_finished`` would hold the model runner's thread, and with it the next
+decode step, until its last byte lands (vLLM's OffloadingConnector polls too;
+vLLM keeps stepping while a finished request's blocks wait for its store).
 
 Threading model: called only on the model runner's thread, once per step.
 That thread fans the byte copies of one step out to a private thread pool and
@@ -73,6 +77,7 @@ class TierWorker:
     _finished_sending: set[str] = field(default_factory=set)
     _load_errors: set[int] = field(default_factory=set)
     stage_bytes: int = STAGE_BYTES
+    dma_stores: bool = False  # CUDA: stores as one batch copy each, no kernel (opt-in, slower)
     _cuda: CudaCopier | None = None
     _pinned_addr: int | None = None
     _pending_stores: list[tuple[torch.cuda.Event, int, str]] = field(default_factory=list)
@@ -113,7 +118,8 @@ class TierWorker:
                 log.warning("kvtier worker: cudaHostRegister of the pool failed; "
                             "host copies are not pinned")
             self._cuda = CudaCopier(self._layers, self._pool_t, self.slot_bytes,
-                                    self.stage_bytes)
+                                    self.stage_bytes,
+                                    dma_stores=self.dma_stores and self._pinned_addr is not None)
         log.info("kvtier worker: %d layers, %d B/slot, %d slots, pool %s",
                  len(self._layers), self.slot_bytes, self.num_slots, self.pool.path)
 
@@ -163,13 +169,17 @@ class TierWorker:
             torch.cuda.current_stream(cu.device).wait_event(self._pending_loads[-1][0])
 
     def _drain(self) -> None:
-        """Move finished CUDA copies to the done lists (waits for them: by the
-        time vLLM asks, the step's forward, which the copies overlap, is queued)."""
+        """Move finished CUDA copies to the done lists. Stores whose event has not
+        completed stay pending for a later call (never waited for: see the module
+        docstring); loads are waited for (the step's forward waits for them anyway)."""
+        left = []
         for ev, job_id, req_id in self._pending_stores:
-            ev.synchronize()
+            if not ev.query():
+                left.append((ev, job_id, req_id))
+                continue
             self._done_stores.append(job_id)
             self._finished_sending.add(req_id)
-        self._pending_stores = []
+        self._pending_stores = left
         for ev, job_id in self._pending_loads:
             ev.synchronize()
             self._done_loads.append((job_id, True))
@@ -252,6 +262,11 @@ class TierWorker:
             src = raw.view(layer.view.dtype).reshape(len(op.slots), *layer.view.shape[1:])
             layer.view.index_copy_(0, idx, src.to(layer.view.device))
 
+    def wait_stores(self) -> None:
+        """Block until every queued store has landed (shutdown, tests, benchmarks)."""
+        for ev, _, _ in self._pending_stores:
+            ev.synchronize()
+
     def take_finished_sending(self) -> set[str]:
         self._drain()
         out, self._finished_sending = self._finished_sending, set()
@@ -270,6 +285,7 @@ class TierWorker:
     def close(self) -> None:
         if self._cuda is not None:
             self._cuda.close()
+            self.wait_stores()
             self._drain()
             self._cuda = None
         if self._pinned_addr is not None:

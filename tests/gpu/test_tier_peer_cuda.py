@@ -75,7 +75,8 @@ def _source(device: str, tag: str, port: int, conn) -> None:
     job = tier.prepare_store(_keys())
     assert job is not None and len(job.slots) == len(SRC_BLOCKS)
     w.run([], [StoreOp(job.job_id, "turn1", SRC_BLOCKS, tuple(job.slots))])
-    assert w.take_done()[0] == [job.job_id]  # waits for the copy
+    w.wait_stores()
+    assert w.take_done()[0] == [job.job_id]
     tier.complete_store(job.job_id, True)
     server = PeerServer(tier, threading.RLock(), nixl, _identity(), "127.0.0.1", port)
     conn.send(("ready", w._pinned_addr is not None if device == "cuda" else True))

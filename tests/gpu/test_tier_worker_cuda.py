@@ -37,20 +37,23 @@ def _worker(kv: dict[str, torch.Tensor], num_slots: int = 32, **kw) -> TierWorke
     return w
 
 
+@pytest.mark.parametrize("dma_stores", [True, False], ids=["dma-store", "gather-store"])
 @pytest.mark.parametrize("stage_bytes", [STAGE_BYTES, 2 * 3 * LAYERS * 2 * BS * HEADS
                                          * HEAD * 2], ids=["one-chunk", "chunks-of-3"])
 @pytest.mark.parametrize("block_ids,slots", [(tuple(range(10, 30)), tuple(range(20))),
                                               ((9, 2, 14, 7, 8), (5, 0, 3, 6, 7)),
                                               ((1, 3, 5, 7, 9, 11, 13), (6, 5, 4, 3, 2, 1, 0))],
                          ids=["one-run", "four-runs", "scattered-index-select"])
-def test_store_then_load_restores_exact_bytes(stage_bytes, block_ids, slots):
+def test_store_then_load_restores_exact_bytes(stage_bytes, block_ids, slots, dma_stores):
     kv = _caches()
-    w = _worker(kv, stage_bytes=stage_bytes)
+    w = _worker(kv, stage_bytes=stage_bytes, dma_stores=dma_stores)
     try:
         assert w._cuda is not None and w._pinned_addr is not None
+        assert w._cuda.dma_stores is dma_stores  # the driver has cuMemcpyBatchAsync
         saved = {n: t.index_select(1, torch.tensor(block_ids, device="cuda")).clone()
                  for n, t in kv.items()}
         w.run([], [StoreOp(1, "r1", block_ids, slots)])
+        w.wait_stores()
         assert w.take_finished_sending() == {"r1"}
         for t in kv.values():
             t.zero_()
@@ -67,14 +70,16 @@ def test_store_then_load_restores_exact_bytes(stage_bytes, block_ids, slots):
         w.close()
 
 
-def test_pool_bytes_are_the_cpu_layout():
+@pytest.mark.parametrize("dma_stores", [True, False], ids=["dma-store", "gather-store"])
+def test_pool_bytes_are_the_cpu_layout(dma_stores):
     """The slot layout is the one the CPU path and the peer protocol use: layer after
     layer, each layer's block in the per-layer view's order with the block dim first."""
     kv = _caches()
-    w = _worker(kv)
+    w = _worker(kv, dma_stores=dma_stores)
     try:
         w.run([], [StoreOp(1, "r", (5,), (3,))])
-        w.take_done()
+        w.wait_stores()
+        assert w.take_done() == ([1], [])
         assert w.pool is not None
         row = torch.from_numpy(w.pool.array[3].copy())
         want = torch.cat([t.movedim(1, 0)[5].contiguous().view(torch.uint8).reshape(-1).cpu()
@@ -131,14 +136,43 @@ def test_store_overlaps_a_running_kernel_and_is_reported_only_when_done():
     w = _worker(kv)
     try:
         a = torch.randn(4096, 4096, device="cuda")
-        for _ in range(20):  # queue a few ms of work on the forward stream
+        for _ in range(20):  # queue tens of ms of work on the forward stream
             a = a @ a / 64
         w.run([], [StoreOp(7, "r7", tuple(range(20)), tuple(range(20)))])
-        # the store waits for the forward stream's earlier work, and is reported once done
-        assert w.take_finished_sending() == {"r7"}
-        assert w._cuda is not None and w._cuda.stream.query()
+        # the store waits for the forward stream's earlier work; asking does not wait for it
+        assert w.take_finished_sending() == set()
+        assert w.take_done() == ([], [])
+        torch.cuda.synchronize()
+        assert w.take_finished_sending() == {"r7"}  # reported once done
+        assert w.take_done() == ([7], [])
+        assert w._cuda is not None and w._cuda.dma.query()
     finally:
         w.close()
+
+
+def test_dma_store_launches_no_kernel():
+    """A store is one batch copy on the copy stream: the profiler sees memcpys and no
+    kernel on the worker's streams (the gather store, for contrast, runs kernels)."""
+    kv = _caches()
+    kernels = {}
+    # the control stores one run of blocks: strided copy kernels, seen by any profiler
+    for dma, ids in ((True, (1, 3, 5, 7, 9, 11, 13)), (False, (20, 21, 22))):
+        w = _worker(kv, dma_stores=dma)
+        try:
+            torch.cuda.synchronize()
+            with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                w.run([], [StoreOp(1, "r", ids, tuple(range(len(ids))))])
+                w.wait_stores()
+                torch.cuda.synchronize()
+            kernels[dma] = [e.name for e in prof.events()
+                            if e.device_type == torch.autograd.DeviceType.CUDA
+                            and "memcpy" not in e.name.lower()
+                            and "memset" not in e.name.lower()]
+        finally:
+            w.close()
+    assert kernels[True] == []
+    assert kernels[False]
 
 
 def test_store_and_load_in_one_step_share_the_pipeline():
@@ -150,6 +184,7 @@ def test_store_and_load_in_one_step_share_the_pipeline():
     try:
         first = tuple(range(10))
         w.run([], [StoreOp(1, "a", first, tuple(range(10)))])
+        w.wait_stores()
         w.take_done()
         saved = {n: t.index_select(1, torch.tensor(first, device="cuda")).clone()
                  for n, t in kv.items()}
@@ -160,6 +195,7 @@ def test_store_and_load_in_one_step_share_the_pipeline():
         w.run([LoadOp(3, dst, tuple(range(10)))], [StoreOp(2, "b", second, tuple(range(10, 20)))])
         for n, t in kv.items():
             assert torch.equal(t.index_select(1, torch.tensor(dst, device="cuda")), saved[n])
+        w.wait_stores()
         assert w.take_done() == ([2], [(3, True)])
         w.run([LoadOp(4, first, tuple(range(10, 20)))], [])
         for n, t in kv.items():
