@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import EngineBlockHash, PodId, RequestKey, Tier
 from kvtier.indexer.native import NATIVE
 
@@ -39,6 +40,7 @@ _MAX_PENDING_TOUCH = 256    # lookups whose LRU refresh waits for the next store
 _native_walk = getattr(NATIVE, "walk", None)
 _native_lookup = getattr(NATIVE, "lookup", None)   # CPython 3.11 only (reads int digits)
 _native_store = getattr(NATIVE, "store", None)
+_native_store_tokens = getattr(NATIVE, "store_tokens", None)
 TIER_BIT = {Tier.GPU: 1, Tier.CPU: 2}
 TIERS_BY_BIT = ((1, Tier.GPU), (2, Tier.CPU))
 
@@ -115,8 +117,11 @@ class MemoryIndex:
         self._keys: OrderedDict[RequestKey, int] = OrderedDict()  # -> holder bitmask
         # pod -> {engine hash: request_key << 2 | tier bits}
         self._maps: dict[PodId, dict[EngineBlockHash, int]] = {}
-        self._slot: dict[Holder, int] = {}
+        # (pod, tier bit) -> slot: keyed by the tier's bit, not the Tier (an Enum's hash is
+        # a Python call, and ``store`` looks a slot up per event)
+        self._slot: dict[tuple[PodId, int], int] = {}
         self._slot_holder: list[Holder | None] = []
+        self._slot_hash: list[int] = []   # hash(holder) per slot, for the compiled lookup
         self._free_slots: list[int] = []
         self._evicted = 0
         # (keys, matched depth) of lookups since the last store: touched by ``store``
@@ -124,23 +129,25 @@ class MemoryIndex:
 
     # -- slots ---------------------------------------------------------------------
 
-    def _bit(self, pod: PodId, tier: Tier) -> int:
-        s = self._slot.get((pod, tier))
+    def _bit(self, pod: PodId, tier: Tier, tb: int) -> int:
+        s = self._slot.get((pod, tb))
         if s is None:
             if self._free_slots:
                 s = self._free_slots.pop()
                 self._slot_holder[s] = (pod, tier)
+                self._slot_hash[s] = hash((pod, tier))
             else:
                 s = len(self._slot_holder)
                 self._slot_holder.append((pod, tier))
-            self._slot[(pod, tier)] = s
+                self._slot_hash.append(hash((pod, tier)))
+            self._slot[(pod, tb)] = s
         return 1 << s
 
     def _pod_bits(self, pod: PodId) -> dict[int, int]:
         """tier bit -> slot bit, for the tiers this pod has slots on."""
         out: dict[int, int] = {}
-        for tb, tier in TIERS_BY_BIT:
-            s = self._slot.get((pod, tier))
+        for tb, _ in TIERS_BY_BIT:
+            s = self._slot.get((pod, tb))
             if s is not None:
                 out[tb] = 1 << s
         return out
@@ -151,11 +158,11 @@ class MemoryIndex:
               blocks: Sequence[tuple[EngineBlockHash, RequestKey]]) -> None:
         if not blocks:
             return
-        tb = TIER_BIT[tier]
+        tb = 1 if tier is Tier.GPU else TIER_BIT[tier]
         with self._lock:
             if self._pending_touch:
                 self._apply_touches()
-            bit = self._bit(pod, tier)
+            bit = self._bit(pod, tier, tb)
             m = self._maps.setdefault(pod, {})
             keys = self._keys
             if _native_store is not None and type(blocks) is list:
@@ -165,12 +172,55 @@ class MemoryIndex:
                     i = _native_store(m, keys, blocks, tb, bit, i + 1)
             else:
                 self._store_py(pod, m, blocks, tb, bit)
-            while len(m) > self._max_per_pod:
-                eh = next(iter(m))
-                self._unset(pod, eh, m.pop(eh))
-            while len(keys) > self._max_keys:
-                keys.popitem(last=False)
-                self._evicted += 1
+            self._bound(pod, m)
+
+    def _bound(self, pod: PodId, m: dict[EngineBlockHash, int]) -> None:
+        """Evict over the capacity bounds (the caller holds the lock)."""
+        keys = self._keys
+        while len(m) > self._max_per_pod:
+            eh = next(iter(m))
+            self._unset(pod, eh, m.pop(eh))
+        while len(keys) > self._max_keys:
+            keys.popitem(last=False)
+            self._evicted += 1
+
+    def store_tokens(self, pod: PodId, tier: Tier, hashes: Sequence[EngineBlockHash],
+                     raw: bytes, hasher: RequestKeyHasher, parent: RequestKey | None,
+                     n: int) -> bool:
+        """``store(pod, tier, zip(hashes, keys))`` where keys are the request keys of the
+        first ``n`` blocks of ``raw`` (a msgpack token array, ``fastdecode.RawTokens.raw``),
+        hashed and stored in one call of the compiled helper. False (nothing done) without
+        it: the caller hashes and calls ``store``."""
+        st = _native_store_tokens
+        if st is None:
+            return False
+        if n <= 0:
+            return True
+        tb = 1 if tier is Tier.GPU else TIER_BIT[tier]
+        with self._lock:
+            if self._pending_touch:
+                self._apply_touches()
+            s = self._slot.get((pod, tb))
+            bit = self._bit(pod, tier, tb) if s is None else 1 << s
+            m = self._maps.get(pod)
+            fresh = m is None
+            if m is None:
+                m = self._maps[pod] = {}
+            try:
+                i, keys = st(m, self._keys, hashes, raw, hasher.block_size, hasher.seed,
+                             hasher.root if parent is None else parent, n, tb, bit)
+            except BaseException:   # bad tokens raise before anything is stored
+                if fresh and not m:
+                    del self._maps[pod]   # as ``store``, never reached, would leave it
+                raise
+            if i >= 0:   # an engine hash that maps to other tokens: as ``store`` goes on
+                blocks = list(zip(hashes[:n], keys))
+                while i >= 0:
+                    self._store_py(pod, m, blocks[i:i + 1], tb, bit)
+                    i = NATIVE.store(m, self._keys, blocks, tb, bit, i + 1)  # type: ignore[union-attr]
+            if len(m) > self._max_per_pod or len(self._keys) > self._max_keys:
+                self._bound(pod, m)
+        return True
 
     def _store_py(self, pod: PodId, m: dict[EngineBlockHash, int],
                   blocks: Sequence[tuple[EngineBlockHash, RequestKey]], tb: int,
@@ -236,8 +286,8 @@ class MemoryIndex:
             m = self._maps.pop(pod, None) or {}
             for eh, packed in m.items():
                 self._unset(pod, eh, packed)
-            for tier in Tier:
-                s = self._slot.pop((pod, tier), None)
+            for tb, _ in TIERS_BY_BIT:
+                s = self._slot.pop((pod, tb), None)
                 if s is not None:
                     self._slot_holder[s] = None
                     self._free_slots.append(s)
@@ -258,7 +308,8 @@ class MemoryIndex:
         with self._lock:
             if _native_lookup is not None and type(keys) is list:
                 found: dict[Holder, int]
-                found, deepest = _native_lookup(keys, self._keys, self._slot_holder)
+                found, deepest = _native_lookup(keys, self._keys, self._slot_holder,
+                                                self._slot_hash)
                 if self._touch and deepest:
                     self._touched(keys, deepest)
                 return found

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvtier.hashing import RequestKeyHasher
 from kvtier.ids import ModelName, PodId, RequestKey, Tier
+from kvtier.indexer.fastdecode import RawTokens
 from kvtier.indexer.index import KVIndex
 from kvtier.indexer.keys import block_keys
 from kvtier.wire.kv_events import (
@@ -70,6 +71,8 @@ class EventApplier:
     def __init__(self, index: KVIndex, hashers: HasherCache) -> None:
         self.index = index
         self.hashers = hashers
+        # MemoryIndex's hash-and-store in one compiled call, for tokens still in msgpack
+        self._store_tokens = getattr(index, "store_tokens", None)
 
     def apply(self, pod: PodId, model: ModelName, batch: EventBatch, c: PodCounters,
               siblings: Callable[[], Sequence[PodId]] | None = None) -> None:
@@ -128,8 +131,12 @@ class EventApplier:
             c.dropped["short_token_ids"] += n - full
         if full == 0:
             return
-        keys = block_keys(hasher, ev.token_ids, parent, full)   # exactly ``full`` keys
-        self.index.store(pod, tier, list(zip(ev.block_hashes, keys)))
+        toks: object = ev.token_ids   # RawTokens from the fast decoder (a Sequence[int])
+        if not (self._store_tokens is not None and type(toks) is RawTokens
+                and self._store_tokens(pod, tier, ev.block_hashes, toks.raw, hasher, parent,
+                                       full)):
+            keys = block_keys(hasher, ev.token_ids, parent, full)   # exactly ``full`` keys
+            self.index.store(pod, tier, list(zip(ev.block_hashes, keys)))
         c.applied["BlockStored"] += 1
         c.blocks_stored += full
 

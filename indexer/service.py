@@ -34,7 +34,14 @@ from kvtier.indexer.ingest import EventApplier, HasherCache
 from kvtier.indexer.keys import request_keys
 from kvtier.indexer.metrics import IndexerMetrics, InstrumentedIndex
 from kvtier.indexer.replicas import ReplicaSync, SharedIndex
-from kvtier.indexer.select import SourceChoice, choose_source, matches, merge_streams
+from kvtier.indexer.select import (
+    SourceChoice,
+    choose_among,
+    choose_source,
+    matches,
+    merge_streams,
+    route_parts,
+)
 from kvtier.indexer.snapshot import load_snapshot, write_snapshot
 from kvtier.indexer.subscriber import PodState, Subscriber
 from kvtier.wire.indexer_api import LookupResponse, RouteResponse, SourceResponse
@@ -297,10 +304,14 @@ class IndexerService:
               min_cached_token_delta: int | None = None,
               loads: Mapping[str, int] | None = None) -> RouteResponse:
         """``lookup`` and ``source`` in one: one hashing of the prompt, one index walk."""
-        merged = self._merged(model, token_ids)
-        c = self._choose(merged, target_pod, min_cached_token_delta, loads)
         bs = self.cfg.block_size
-        return RouteResponse(block_size=bs, matches=matches(merged, bs), source=c.source,
+        found, target, cpu = route_parts(self._merged(model, token_ids), bs, target_pod)
+        min_delta = (self.cfg.min_cached_token_delta if min_cached_token_delta is None
+                     else min_cached_token_delta)
+        now = time.monotonic()
+        c = choose_among(cpu, target, bs, target_pod, min_delta, self.p2p_of,
+                         lambda p: self.offered(p, now), loads)
+        return RouteResponse(block_size=bs, matches=found, source=c.source,
                              target_matched_tokens=c.target_matched_tokens, delta=c.delta)
 
     # -- snapshot -----------------------------------------------------------------------------

@@ -1,12 +1,17 @@
 """Optional compiled helpers of the indexer (C, built from source by ``build``).
 
 ``_kvtier_indexer_native`` (installed into the running interpreter's
-site-packages by ``python -m kvtier.indexer.native.build``) has the indexer's
-hot loops: ``request_keys`` (request keys exactly as
+site-packages by ``python -m kvtier.indexer.native.build``; C sources here:
+``kvtier_native.c`` keys and the module, ``index_ops.c`` the index's loops,
+``decode.c`` the event decoder) has the indexer's hot loops: ``decode_batch``
+(a vLLM event batch of the usual shape straight into ``kv_events`` objects,
+None for any other shape), ``request_keys`` (request keys exactly as
 ``kvtier.hashing.RequestKeyHasher.keys``), ``request_keys_msgpack`` (the same
 from an event's msgpack-encoded token array), ``walk`` / ``lookup`` (the
 bitmask prefix walk of ``MemoryIndex.lookup``; ``lookup`` only on CPython
-3.11, it reads int digits) and ``store`` (``MemoryIndex.store``'s loop).
+3.11, it reads int digits), ``store`` (``MemoryIndex.store``'s loop),
+``store_tokens`` (hashing and ``store`` in one call) and ``route_rows`` (the
+per-holder loops of a ``/v1/route`` answer, ``kvtier.indexer.select``).
 ``NATIVE`` is the module, or None when it was not built; every caller keeps a
 pure-Python path that gives identical answers (tests compare both).
 Set ``KVTIER_INDEXER_NATIVE=0`` to use the pure-Python path anyway.

@@ -19,7 +19,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-SRC = Path(__file__).with_name("kvtier_native.c")
+HERE = Path(__file__).parent
+SOURCES = [HERE / n for n in ("kvtier_native.c", "index_ops.c", "decode.c")]
+HEADER = HERE / "kvtier_native.h"
 NAME = "_kvtier_indexer_native"
 
 
@@ -32,11 +34,12 @@ def build(out_dir: Path, force: bool = True) -> Path:
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{NAME}{suffix}"
-    if not force and target.exists() and target.stat().st_mtime >= SRC.stat().st_mtime:
+    newest = max(p.stat().st_mtime for p in [*SOURCES, HEADER])
+    if not force and target.exists() and target.stat().st_mtime >= newest:
         return target
     tmp = target.with_name(target.name + ".tmp")
     cmd = [cc, "-O3", "-shared", "-fPIC", "-std=c11", f"-I{sysconfig.get_paths()['include']}",
-           str(SRC), "-o", str(tmp)]
+           *map(str, SOURCES), "-o", str(tmp)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()}")
