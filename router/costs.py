@@ -15,6 +15,10 @@ the model in use blended with those estimates, so a path that keeps losing stops
 chosen. ``explore`` gives a small counted share of turns to a young or stale estimate
 (``kvtier_router_cost_explored_total``). Without it ``decision_cost`` is the model itself.
 
+What is learned and how a turn's path is chosen is ``kvtier.cost.learned.LearnedCost``, the
+same object the simulator's model of this router owns (``kvtier.ab.sim_policy``); this class
+adds the metrics and log lines.
+
 Threading model: one router event loop owns an instance.
 """
 
@@ -24,7 +28,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from kvtier.cost.decide import Decision, Offer, TtftCost
-from kvtier.cost.estimator import EstimatedCost, PathEstimator, bucket_label
+from kvtier.cost.estimator import PathEstimator, bucket_label
+from kvtier.cost.learned import LearnedCost, LearnSettings
 from kvtier.cost.model import CostModel
 from kvtier.cost.online import OnlineCost
 from kvtier.ids import ReusePath
@@ -39,37 +44,36 @@ class RouterCost:
                  on_change: Callable[[CostModel], None] = lambda m: None,
                  learn: bool = False, ring: int = 32, explore_share: float = 0.05,
                  explore_margin: float = 0.25) -> None:
-        if refit and model is None:
-            raise ValueError("cost_refit needs a cost_model to start from")
-        if learn and model is None:
-            raise ValueError("cost_learn needs a cost_model as its prior")
-        self.estimator = (PathEstimator(ring=ring, explore_share=explore_share,
-                                        margin=explore_margin) if learn else None)
+        # what is learned and decided lives in kvtier.cost.learned, shared with the simulator
+        self.learned = LearnedCost(model, LearnSettings(
+            refit=refit, window=window, min_samples=min_samples, learn=learn, ring=ring,
+            explore_share=explore_share, explore_margin=explore_margin))
         self.metrics = metrics
         self.on_change = on_change
-        self.online = (OnlineCost(model, window=window, min_samples=min_samples)
-                       if refit and model is not None else None)
-        self._model = model
         self._warned: str | None = None
         if model is not None:
             self._expose(model)
 
     @property
     def model(self) -> CostModel | None:
-        return self._model
+        return self.learned.model
+
+    @property
+    def estimator(self) -> PathEstimator | None:
+        return self.learned.estimator
+
+    @property
+    def online(self) -> OnlineCost | None:
+        return self.learned.online
 
     def decision_cost(self) -> TtftCost | None:
         """What the per-turn path choice decides with (module docstring)."""
-        if self.estimator is None or self._model is None:
-            return self._model
-        return self.estimator.view(self._model)
+        return self.learned.decision_cost()
 
     def explore(self, cost: TtftCost, prompt_tokens: int, offers: Sequence[Offer],
                 chosen: Decision) -> Decision | None:
         """Another path for this turn, to keep an estimate alive; None: keep ``chosen``."""
-        if self.estimator is None or not isinstance(cost, EstimatedCost):
-            return None
-        d = self.estimator.explore(cost, prompt_tokens, offers, chosen)
+        d = self.learned.explore(cost, prompt_tokens, offers, chosen)
         if d is not None:
             self.metrics.cost_explored.labels(d.path or ReusePath.NONE.value).inc()
         return d
@@ -78,27 +82,28 @@ class RouterCost:
                     seconds: float) -> None:
         """A prefill leg answered after ``seconds``: ``reused_tokens`` of its
         ``prompt_tokens`` came over ``path`` (none: 0), the rest were computed."""
-        if self.estimator is not None and prompt_tokens > 0:
-            b = self.estimator.observe(path.value, prompt_tokens, seconds)
-            if b is not None:
-                live, n = self.estimator.live(path.value, b)
-                self.metrics.cost_estimate.labels(path.value, bucket_label(b)).set(live or 0.0)
-                self.metrics.cost_estimate_samples.labels(path.value, bucket_label(b)).set(n)
-        if self.online is None or prompt_tokens <= 0:
+        seen = self.learned.observe(prompt_tokens, path, reused_tokens, seconds)
+        est = self.learned.estimator
+        if est is not None and seen.bucket is not None:
+            live, n = est.live(path.value, seen.bucket)
+            label = bucket_label(seen.bucket)
+            self.metrics.cost_estimate.labels(path.value, label).set(live or 0.0)
+            self.metrics.cost_estimate_samples.labels(path.value, label).set(n)
+        online = self.learned.online
+        if online is None or prompt_tokens <= 0:
             return
-        reused = reused_tokens if path is not ReusePath.NONE else 0
-        if not self.online.observe(prompt_tokens - reused, reused, path.value, seconds):
-            err = self.online.last_error
+        if not seen.refitted:
+            err = online.last_error
             if err is not None and err != self._warned:  # once per failure, not per leg
                 log.warning("cost refit failed; keeping the model in use: %s", err)
             self._warned = err
             return
-        m = self._model = self.online.model
+        m = online.model
         self.metrics.cost_refits.inc()
         self._expose(m)
         reads = ", ".join(f"{p} setup {lk.setup_s * 1e3:.3g} ms" for p, lk in sorted(m.reads.items()))
         log.info("cost refit #%d over %d prefill legs: prefill %.3g ms + %.3g us/token; %s",
-                 self.online.refits, len(self.online.samples), m.prefill_a_s * 1e3,
+                 online.refits, len(online.samples), m.prefill_a_s * 1e3,
                  m.prefill_b_s_per_token * 1e6, reads)
         self.on_change(m)
 

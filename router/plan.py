@@ -5,17 +5,14 @@ Threading model: pure functions; no shared state (``explore``, when given, is th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvtier.cost.decide import Decision, Offer, TtftCost, decide
+from kvtier.cost.decide import Offer, TtftCost
+from kvtier.cost.learned import Explore, choose_path
 from kvtier.ids import PodId, ReusePath
 from kvtier.router.store import ReuseDecision
 from kvtier.transfer_params import NixlParams, RemoteKVSource
-
-# Another decision for the turn, to keep an estimate alive (``RouterCost.explore``), or None.
-Explore = Callable[[TtftCost, int, Sequence[Offer], Decision], Decision | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +63,13 @@ def plan(reuse: NixlParams | None, decision: ReuseDecision, source: RemoteKVSour
         offers.append(Offer(ReusePath.LOCAL, local))
     if not offers or prompt_tokens <= 0:
         return Plan(ReusePath.NONE, 0, reuse, source, None)
-    d = decide(prompt_tokens, offers, cost=cost)
+    d, explored = choose_path(prompt_tokens, offers, cost, explore)  # as the simulator does
     choice = None
     if cost is not None:
-        other = explore(cost, prompt_tokens, offers, d) if explore is not None else None
         expected = {ReusePath.NONE.value: cost.ttft_s(None, prompt_tokens, 0)}
         for o in offers:
             expected[o.path] = cost.ttft_s(o.path, prompt_tokens, o.tokens)
-        choice = PlanChoice(expected, other is not None)
-        d = other or d
+        choice = PlanChoice(expected, explored)
         reuse = reuse if d.path == ReusePath.DP_READ else None
         source = source if d.path == ReusePath.P2P else None
     if d.path is None:

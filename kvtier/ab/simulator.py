@@ -52,9 +52,12 @@ of the two, `kvtier.ab.report.simulation_error`, is fair):
   prefill's own prefix cache when the strategy enables it and the fleet gives it room.
 - **Path choice**: fixed strategies read D→P when at least ``kv_recompute_threshold``
   tokens would be pulled (vLLM's gate), else from a peer host when the delta is at least
-  ``min_cached_token_delta``; ``adaptive`` strategies take `kvtier.cost.decide` by cost per
-  request, with the cost model their router was deployed with (``StrategySpec.cost_model``;
-  without one, the simulated world's, which an online refit would converge to at once).
+  ``min_cached_token_delta``; ``adaptive`` strategies choose by cost per request with the
+  live router's own code (`kvtier.cost.learned`: ``choose_path`` over ``LearnedCost``), from
+  the cost model their router was deployed with (``StrategySpec.cost_model``; without one,
+  the simulated world's, which an online refit would converge to at once), learning from each
+  simulated prefill leg as the router does from each timed one where the router's settings
+  say so (``cost_learn``: each path's real cost, with its counted exploration; ``cost_refit``).
   Replaying a live run, the world is the run's in-sample fit while the router decided with
   its deployed model: the two differ where a calibration does not match the loaded stack.
 - **Adaptive device TTL**: ``adaptive`` strategies re-choose the decode TTL online from
@@ -108,6 +111,7 @@ from kvtier.ab.sim_prefill import PrefillInstance, PrefillJob
 from kvtier.ab.strategies import StrategySpec, builtin
 from kvtier.ab.traces import ConversationSpec, Trace, TurnPlan, turn_plan
 from kvtier.cost.decide import Offer
+from kvtier.cost.hold import pressure_factor
 from kvtier.cost.model import CostModel
 from kvtier.cost.reuse import align_down, reusable_tokens
 from kvtier.ids import ConversationId, Outcome, ReusePath
@@ -163,10 +167,10 @@ class _Sim:
     """One replay: the fleet's instances, the event queue, and the records it writes."""
 
     def __init__(self, trace: Trace, policy: SimPolicy, fleet: FleetSpec, cost: CostModel,
-                 decide_cost: CostModel | None = None, refit: bool = False) -> None:
+                 decide_cost: CostModel | None = None) -> None:
         self.trace, self.p, self.fleet, self.cost = trace, policy, fleet, cost
         # what the deployed strategy decides with (paths, holds, TTLs); `cost` times the work
-        self.decisions = Decisions(policy, decide_cost or cost, refit)
+        self.decisions = Decisions(policy, decide_cost or cost)
         self.bs = fleet.block_size
         self.prefills = [PrefillInstance() for _ in range(fleet.prefill)]
         self.decodes = [DecodeInstance(fleet.device_blocks_per_decode,
@@ -241,6 +245,9 @@ class _Sim:
             "decode_wait_s": sum(r.decode_wait_s for r in self.records)}
         if self.p.adaptive:
             meta["device_ttl_history"] = self.decisions.ttl_history
+            learned = self.decisions.learned_meta()
+            if learned:
+                meta["router_learning"] = learned
         return RunResult(self.p.name, self.records, [m for m in self.memory if m.t <= t_end], meta)
 
     # -- handlers ---------------------------------------------------------------------------
@@ -353,7 +360,11 @@ class _Sim:
     def prefill_done(self, conv: ConversationId, turn: int) -> None:
         """``turn`` is prefilled (and handed off): it waits for room on its decode instance."""
         d = self.decode_of[conv]
-        self.ready[(conv, turn)] = (self.pending.pop((conv, turn)), self.now)
+        pend = self.pending.pop((conv, turn))
+        # the router times the leg now, from send to answer (its ``prefill_leg``)
+        self.decisions.observe_leg(pend["prompt"], pend["reuse_path"], pend["reused"],
+                                   self.now - pend["arrival"])
+        self.ready[(conv, turn)] = (pend, self.now)
         self.decodes[d].enqueue(conv, turn, math.ceil(self.plans[conv][turn].context_after / self.bs))
         self.admit(d)
 
@@ -401,10 +412,13 @@ class _Sim:
     def on_finish(self, conv: ConversationId, turn: int, blocks: int) -> None:
         d = self.decode_of[conv]
         dec = self.decodes[d]
+        # the node's pressure as a scrape during this turn's decode saw it (router/pressure.py)
+        pressure = pressure_factor((dec.active_blocks + dec.retained_total) / dec.capacity,
+                                   len(dec.waiting), self.p.hold_waiting_ref)
         dec.finish(blocks)
         tokens = self.plans[conv][turn].context_after
         self.finished_at[conv] = (self.now, tokens)
-        ttl = self.decisions.hold_after(conv, turn)
+        ttl = self.decisions.hold_after(conv, turn, pressure)
         if self.p.ttl_s > 0 and ttl > 0:
             # the finished turn's blocks stay, retained (pinned: no waiting turn gets them)
             dec.retain(Retained(conv, blocks, tokens, self.now + ttl))
@@ -442,9 +456,11 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
     keeps the spec's TTL fixed, as a live vLLM stack does (for comparing with a live run).
     ``cost`` times the work. An adaptive strategy decides (path per turn, device holds) with
     the spec's own ``cost_model`` when it has one -- the model its router was deployed
-    with, which a run's in-sample fit need not equal -- else with ``cost``. With the spec's
-    ``cost_refit`` that model is refitted as the router would (``kvtier.cost.online``), from
-    each turn's simulated TTFT (arrival to the prefill's answer, queueing included).
+    with, which a run's in-sample fit need not equal -- else with ``cost``. It learns from
+    each turn's simulated prefill leg (arrival to the prefill's answer, queueing included)
+    as its router is configured to (``router_settings``: ``cost_learn``, ``cost_refit``;
+    ``kvtier.cost.learned``), and prices holds by the decode node's pressure where the
+    router's ``hold_pressure`` is on.
     """
     spec = builtin(strategy) if isinstance(strategy, str) else strategy
     if spec.host_bytes is not None:
@@ -457,7 +473,7 @@ def simulate(trace: Trace, strategy: StrategySpec | str, fleet: FleetSpec, cost:
         raise ValueError(f"strategy {spec.name} reads over {missing}; the cost model has {sorted(cost.reads)}")
     if cost.block_size != fleet.block_size:
         raise ValueError(f"cost model block_size {cost.block_size} != fleet block_size {fleet.block_size}")
-    return _Sim(trace, policy, fleet, cost, spec.cost_model, spec.cost_refit).run()
+    return _Sim(trace, policy, fleet, cost, spec.cost_model).run()
 
 
 def simulate_all(trace: Trace, strategies: Sequence[StrategySpec | str], fleet: FleetSpec,

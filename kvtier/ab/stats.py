@@ -1,9 +1,9 @@
 """Statistics that can decide: clustered bootstrap intervals, paired ratios, verdicts from
 intervals.
 
-One A/B run of a strategy is a handful of conversations on a shared machine; two runs of the
-*same* deployment have measured 0.85–1.22× of each other (``benchmarks/AB.md``). A single
-median cannot tell 5% apart, so every comparison the report makes goes through this module:
+One A/B run of a strategy is a handful of conversations on a shared machine, and turns of one
+conversation are not independent. A single median cannot tell 5% apart, so every comparison
+the report makes goes through this module:
 
 - ``quantile_ci(xs, q, clusters=...)``: a statistic (median, p90, ...) of one sample with its
   bootstrap interval (percentile method, ``N_BOOT`` resamples, 95% by default);

@@ -126,6 +126,11 @@ class StrategySpec(BaseModel):
     # whether the router refits it online from the prefill legs it times (cost_refit).
     cost_model: CostModel | None = None
     cost_refit: bool = False
+    # ... whether it learns each path's real cost from those legs (cost_learn) and prices
+    # holds by the decode node's pressure (hold_pressure); on in tiered-adaptive. Off by
+    # default so a spec stored before the router had them replays as that router was.
+    cost_learn: bool = False
+    hold_pressure: bool = False
     # adaptive: holding a turn's blocks this long costs as much as recomputing them
     # (kvtier.cost.retention); sets how long the device TTL may grow.
     retention_horizon_s: float = Field(60.0, gt=0)
@@ -301,8 +306,8 @@ class StrategySpec(BaseModel):
                 out["cost_model"] = self.cost_model.model_dump()  # type: ignore[union-attr]
                 out["cost_refit"] = self.cost_refit
                 # decide from what each path really cost, and price holds by decode pressure
-                out["cost_learn"] = True
-                out["hold_pressure"] = True
+                out["cost_learn"] = self.cost_learn
+                out["hold_pressure"] = self.hold_pressure
         return out
 
 
@@ -368,5 +373,6 @@ _BUILTIN: dict[str, StrategySpec] = {
                     "each turn's device KV online (decode leases, per conversation and turn)",
         kv_configs=("nixl-bidirectional-lease", "kvtier-peer"), device_retention=True,
         decode_ttl_s=VLLM_DEFAULT_TTL_S, dp_reuse=True, host_tier=True, peer_fetch=True,
-        use_indexer=True, adaptive=True, leases=True, min_cached_token_delta=64),
+        use_indexer=True, adaptive=True, leases=True, min_cached_token_delta=64,
+        cost_learn=True, hold_pressure=True),
 }

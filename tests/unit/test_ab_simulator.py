@@ -513,11 +513,13 @@ def test_cost_refit_replays_the_router_learning_that_device_reads_do_not_pay():
     """Deployed with a model in which a D->P read is cheap (holding pays for 3 s waits), in a
     world where it costs 1 s of setup (more than recomputing any prompt of the trace):
     replayed with cost_refit, the router times its D->P turns, learns the read's cost once it
-    has ``min_path_samples`` of them, and stops holding; without it, it holds and reads on."""
+    has ``min_path_samples`` of them, and stops holding; without it, it holds and reads on.
+    The refit alone: the per-path estimates (cost_learn) are off in both runs."""
     tr = _trace(wait=3.0, n_conv=4, turns=10)
     world = _cost(reads={"dp_read": LinkModel(setup_s=1.0, bytes_per_s=4e9),
                          "p2p": LinkModel(setup_s=0.02, bytes_per_s=1e9)})
-    spec = builtin("tiered-adaptive").without_host_copy().with_cost_model(_cost())
+    spec = builtin("tiered-adaptive").without_host_copy().with_cost_model(_cost()) \
+        .model_copy(update={"cost_learn": False})
     fixed = simulate(tr, spec, FLEET, world)
     refit = simulate(tr, spec.with_cost_refit(), FLEET, world)
     dp = [sum(1 for t in r.follow_ups if t.reuse_path == ReusePath.DP_READ) for r in (fixed, refit)]

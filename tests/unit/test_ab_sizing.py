@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -207,3 +208,23 @@ def test_cli_refuses_a_bad_slo(argv, message, capsys):
         _kvtier(["ab", "--model", "/no/such/model", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+SIZING_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "sizing" \
+    / "2026-12-06-sim-regime-decode-scarce"
+
+
+def test_the_committed_sizing_is_what_its_command_writes(tmp_path):
+    """benchmarks/sizing/...: the command in its report.json, rerun, writes the same
+    sizing.json, and the sizing answer AB.md quotes is that file's (issue 30: the sizing the
+    text cites has committed output)."""
+    command = json.loads((SIZING_DIR / "report.json").read_text())["meta"]["command"].split()
+    assert command[:2] == ["kvtier", "ab"] and "--simulate" in command
+    out = command.index("--out") + 1
+    command[out] = str(tmp_path / "sizing")
+    assert _kvtier(command[1:]) == 0
+    assert (tmp_path / "sizing" / "sizing.json").read_bytes() \
+        == (SIZING_DIR / "sizing.json").read_bytes()
+    answer = (SIZING_DIR / "sizing.md").read_text().split("\n\n")[3]
+    assert "concurrent sessions at TTFT p90" in answer
+    assert answer in (SIZING_DIR.parents[1] / "AB.md").read_text()
