@@ -16,11 +16,16 @@ One run measures, on the fake vLLM P/D engines of tests/fakes/engine.py (no mode
   ``benchmarks/anchors/README.md`` for where it comes from);
 - every ``--proxy NAME=COMMAND``. COMMAND placeholders: {port} {prefill} {decode} (URLs)
   {prefill_port} {decode_port};
+- ``vllm-router``: vLLM's Rust router (``vllm-router`` from PyPI, at its defaults,
+  ``--vllm-pd-disaggregation``), from ``--vllm-router`` (default ``auto``: a venv of the
+  benchmark's own under ``.kvtier/``, installed on first use; ``none``: skip);
 - ``minimal``: unless ``--no-minimal``, a lean P->D proxy built into this file (aiohttp
   server and client, no validation/metrics/retries);
 
-at each ``--concurrency``: p50/p99 latency, TTFT, req/s, errors; overhead = target minus
-``pd-client``. Then:
+at each ``--concurrency``: p50/p99 latency, TTFT, req/s, errors, the proxy process's CPU per
+request, and the legs the fakes' ledgers saw (``legs_ok``: one prefill and one decode leg per
+answer, each decode given its own request's prefill params); overhead = target minus
+``pd-client``. The order of the targets rotates from round to round. Then:
 
 - ``--conv-bench``: one client, streamed multi-turn ``/v1/completions`` conversations
   (``--turns``, each turn's prompt the last one plus its answer plus new tokens), named
@@ -40,6 +45,8 @@ engine cores.
 
     .venv/bin/python benchmarks/bench_router.py --duration 5 --rounds 3 --conv-bench \\
         --store-bench [--proxy 'NAME=COMMAND'] --out FILE.json
+    .venv/bin/python benchmarks/bench_router.py --report FILE.json [...] \\
+        [--md benchmarks/ROUTER.md]   # the tables and the targets, from the raw JSON
 
 The load generators are in ``bench_router_load.py``, the processes (fake engines, proxies, the
 lean proxy) in ``bench_router_fleet.py``; this file is the run and its report.
@@ -64,9 +71,11 @@ from bench_router_fleet import (
     Fleet,
     free_port,
     hiredis_state,
+    legs_ok,
     proxies,
     serve_minimal_proxy,
     spawn,
+    vllm_router_bin,
 )
 from bench_router_load import (
     CHAT,
@@ -84,6 +93,8 @@ def median_of(runs: list[dict]) -> dict:
            if all(k in r for r in runs)}
     out["errors"] = sum(r["errors"] for r in runs)
     out["requests"] = sum(r["requests"] for r in runs)
+    if all("legs_ok" in r for r in runs):
+        out["legs_ok"] = all(r["legs_ok"] for r in runs)
     return out
 
 
@@ -110,6 +121,9 @@ def main() -> int:
     ap.add_argument("--anchor", default=str(DEFAULT_ANCHOR),
                     help="vLLM's toy_proxy_server.py to run as target 'vllm-toy' ('none': "
                          "skip; a missing file is skipped)")
+    ap.add_argument("--vllm-router", default="auto", metavar="PATH|auto|none",
+                    help="vLLM's Rust router executable (auto: the benchmark's own venv under "
+                         ".kvtier/, installed from PyPI when missing)")
     ap.add_argument("--no-minimal", action="store_true")
     ap.add_argument("--router-cpus", default="0")
     ap.add_argument("--engine-cpus", default=None, help="default: every core but the router's")
@@ -128,7 +142,14 @@ def main() -> int:
     ap.add_argument("--tmp", default="/tmp/kvtier-bench-router")
     ap.add_argument("--serve-minimal-proxy", nargs=3, metavar=("PORT", "PREFILL", "DECODE"),
                     help=argparse.SUPPRESS)
+    ap.add_argument("--report", nargs="+", metavar="JSON",
+                    help="print the tables and targets of these runs (no measuring)")
+    ap.add_argument("--md", default=None, metavar="FILE",
+                    help="with --report: replace the generated block of FILE with them")
     a = ap.parse_args()
+    if a.report:
+        from bench_router_report import write_report
+        return write_report(a.report, a.md)
     if a.serve_minimal_proxy:
         port, p, d = a.serve_minimal_proxy
         serve_minimal_proxy(int(port), p, d)
@@ -142,10 +163,13 @@ def main() -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(tmp, a.router_cpus or None, engine_cpus)
     results: dict[str, Any] = {"cpus": ncpu, "router_cpus": a.router_cpus,
+                               "commit": _git_head(),
                                "engine_cpus": engine_cpus, "argv": sys.argv,
                                "anchor": a.anchor, "started": time.strftime(
                                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "loadavg_start": os.getloadavg()}
+    a.vllm_router_exe, results["vllm_router"] = vllm_router_bin(a.vllm_router,
+                                                               tmp / "vllm-router-install.log")
     try:
         p_url, d_inst = fleet.pair("")
         d_url = d_inst["url"]
@@ -157,12 +181,20 @@ def main() -> int:
             targets[name], pids[name] = u + "/v1/chat/completions", pid
         results["runs"] = []
         levels = [int(x) for x in a.concurrency.split(",") if x]
+        names = list(targets)
         for c in levels:
             per: dict[str, list[dict]] = {k: [] for k in targets}
             loads = []
-            for _ in range(a.rounds):
-                for name, url in targets.items():
-                    per[name].append(measured(url, CHAT, c, a.duration, pids[name]))
+            fleet.ledger.take()
+            for i in range(a.rounds):
+                # Rotated each round: no target always runs first (or right after another).
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    load0 = os.getloadavg()[0]
+                    m = measured(targets[name], CHAT, c, a.duration, pids[name])
+                    m["legs"] = fleet.ledger.take()
+                    m["legs_ok"] = legs_ok(m["legs"], m["requests"], m["errors"])
+                    m["loadavg_1m"] = [load0, os.getloadavg()[0]]
+                    per[name].append(m)
                 loads.append(os.getloadavg()[0])
             run = {"concurrency": c, **{k: median_of(v) for k, v in per.items()},
                    "loadavg_1m": loads, "rounds": per}
@@ -173,6 +205,8 @@ def main() -> int:
                     run[k]["overhead_p99_ms"] = round(run[k]["p99_ms"] - base["p99_ms"], 3)
             results["runs"].append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "rounds"}), flush=True)
+            if a.out:  # a level at a time: a run cut short keeps what it measured
+                Path(a.out).write_text(json.dumps(results, indent=2))
         if a.conv_bench:
             results["conversations"] = conv_bench(a, fleet, p_url, d_inst, px)
         top = max(levels, default=128)
@@ -209,6 +243,24 @@ def main() -> int:
     finally:
         fleet.close()
     return 0
+
+
+def _git_head() -> str:
+    """The commit the run measured, ``+dirty`` when the router's files differ from it."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=False,
+                          capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "router"], cwd=root,
+                           check=False).returncode
+    if not dirty:
+        return head
+    # Which working tree: a digest of the router's sources as measured.
+    import hashlib
+    h = hashlib.sha256()
+    for f in sorted((root / "router").glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return f"{head}+router-{h.hexdigest()[:10]}"
 
 
 def conv_bench(a: argparse.Namespace, fleet: Fleet, p_url: str, d_inst: dict[str, str],

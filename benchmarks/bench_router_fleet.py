@@ -6,6 +6,10 @@ benchmark uses the tests' one fake engine) and every proxy target, each in its o
 and log file under the run's directory, pinned with ``taskset`` where asked; ``proxies``
 starts every target on one engine pair. ``serve_minimal_proxy`` is the lean proxy
 (``bench_router.py --serve-minimal-proxy`` runs it in a process of its own).
+``vllm_router_bin`` finds (or installs, into a venv of the benchmark's own under
+``.kvtier/``) vLLM's Rust router, ``vllm-router`` from PyPI. Every fake engine writes a
+ledger (``--ledger``: one line per leg answered in full); ``Ledger`` counts the lines a
+measurement added, so a target that skipped a leg shows it.
 
 Threading model: one caller (the benchmark's main thread) owns a ``Fleet``.
 """
@@ -31,6 +35,8 @@ from kvtier.runtime import free_ports
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 FAKE_ENGINE = HERE.parent / "tests" / "fakes" / "engine.py"
+VLLM_ROUTER_VERSION = "0.1.17"
+VLLM_ROUTER_VENV = HERE.parent / ".kvtier" / "bench-vllm-router"
 
 
 def free_port() -> int:
@@ -107,15 +113,61 @@ def serve_minimal_proxy(port: int, prefill: str, decode: str) -> None:
 
 
 # ---- the fleet --------------------------------------------------------------------------
+class Ledger:
+    """The legs the fake engines answered, counted per measurement: ``take()`` gives the
+    lines added since the last call, by kind (``P`` prefill, ``D`` decode given a prefill's
+    params, ``X`` a leg that was neither) and ``mismatch`` (a decode given the params of
+    another request's prefill; see ``tests/fakes/engine.py``'s ``read_ledger``)."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[Path, int] = {}
+
+    def add(self, path: Path) -> None:
+        path.write_text("")
+        self.offsets[path] = 0
+
+    def take(self) -> dict[str, int]:
+        out = {"P": 0, "D": 0, "X": 0, "mismatch": 0}
+        for path, off in self.offsets.items():
+            with open(path, "rb") as f:
+                f.seek(off)
+                data = f.read()
+            # Only whole lines: one being written now is counted next time.
+            end = data.rfind(b"\n") + 1
+            self.offsets[path] = off + end
+            for line in data[:end].splitlines():
+                parts = line.split()
+                if len(parts) != 4:
+                    continue
+                kind = parts[0].decode()
+                out[kind] = out.get(kind, 0) + 1
+                if parts[3] == b"mismatch":
+                    out["mismatch"] += 1
+        return out
+
+
+def legs_ok(legs: dict[str, int], answers: int, errors: int) -> bool:
+    """One prefill and one decode leg per answer: every answer had both, no leg of
+    another kind, no decode with another request's params; a failed request may or may
+    not have left legs behind."""
+    return (legs["X"] == 0 and legs["mismatch"] == 0
+            and answers <= legs["P"] <= answers + errors
+            and answers <= legs["D"] <= answers + errors)
+
+
 class Fleet:
     def __init__(self, tmp: Path, router_cpus: str | None, engine_cpus: str | None) -> None:
         self.tmp, self.router_cpus, self.engine_cpus = tmp, router_cpus, engine_cpus
         self.procs: list[subprocess.Popen] = []
+        self.ledger = Ledger()
 
     def engine(self, name: str, *extra: str) -> str:
         port = free_port()
+        ledger = self.tmp / f"{name}.ledger"
+        self.ledger.add(ledger)
         self.procs.append(spawn([PY, str(FAKE_ENGINE), "--tokens", "16",
-                                 "--port", str(port), "--name", name, *extra],
+                                 "--port", str(port), "--name", name,
+                                 "--ledger", str(ledger), *extra],
                                 self.tmp / f"{name}.log", self.engine_cpus))
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health")
@@ -179,6 +231,39 @@ def anchor_argv(path: str) -> list[str]:
             "--decoder-host", "127.0.0.1", "--decoder-port", "{decode_port}"]
 
 
+def vllm_router_bin(spec: str, log: Path) -> tuple[str | None, dict[str, Any]]:
+    """vLLM's Rust router, ``vllm-router`` (PyPI): ``spec`` a path to its executable,
+    ``none``, or ``auto``: the benchmark's own venv (``VLLM_ROUTER_VENV``), created and
+    ``pip install vllm-router==VLLM_ROUTER_VERSION`` into it when missing (never into the
+    project's venv). Returns (executable or None, what was found or why not)."""
+    if spec == "none":
+        return None, {"skipped": "--vllm-router none"}
+    if spec != "auto":
+        return (spec, {"bin": spec}) if Path(spec).is_file() else (
+            None, {"error": f"{spec}: no such file"})
+    exe = VLLM_ROUTER_VENV / "bin" / "vllm-router"
+    if not exe.is_file():
+        with open(log, "ab") as fh:
+            steps = [[sys.executable, "-m", "venv", str(VLLM_ROUTER_VENV)],
+                     [str(VLLM_ROUTER_VENV / "bin" / "pip"), "install", "-q",
+                      f"vllm-router=={VLLM_ROUTER_VERSION}"]]
+            for argv in steps:
+                if subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                  check=False).returncode != 0:
+                    return None, {"error": f"{shlex.join(argv)} failed (see {log})"}
+    ver = subprocess.run([str(VLLM_ROUTER_VENV / "bin" / "pip"), "show", "vllm-router"],
+                         capture_output=True, text=True, check=False).stdout
+    version = next((line.split(":", 1)[1].strip() for line in ver.splitlines()
+                    if line.startswith("Version:")), "?")
+    return str(exe), {"bin": str(exe), "version": version}
+
+
+def vllm_router_argv(exe: str) -> list[str]:
+    """``vllm-router`` at its defaults in vLLM's P/D mode, pointed at the fakes."""
+    return [exe, "--vllm-pd-disaggregation", "--prefill", "{prefill}", "--decode", "{decode}",
+            "--host", "127.0.0.1", "--port", "{port}"]
+
+
 def proxies(fleet: Fleet, a: argparse.Namespace, p_url: str, d: dict[str, str],
             tag: str, passthrough: bool) -> dict[str, tuple[str, int]]:
     """Every proxy target on one engine pair: name -> (base URL, pid)."""
@@ -192,6 +277,8 @@ def proxies(fleet: Fleet, a: argparse.Namespace, p_url: str, d: dict[str, str],
     specs = list(a.proxy)
     if a.anchor != "none" and Path(a.anchor).is_file():
         specs.insert(0, "vllm-toy=" + shlex.join(anchor_argv(a.anchor)))
+    if getattr(a, "vllm_router_exe", None):
+        specs.insert(0, "vllm-router=" + shlex.join(vllm_router_argv(a.vllm_router_exe)))
     for spec in specs:
         name, _, cmd = spec.partition("=")
         port = free_port()

@@ -35,24 +35,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 from kvtier.ids import ConversationId
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Reply, Router, tenant_of
-from kvtier.router.legs import EngineClientError, UpstreamError
+from kvtier.router.legs import EngineClientError, UpstreamError, loads
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.requests import (
     MAX_CONVERSATION_ID_LEN,
@@ -85,11 +84,13 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
         finally:
             await router.stop()
 
-    app = FastAPI(title="kvtier router", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = _App(title="kvtier router", lifespan=lifespan, docs_url=None, redoc_url=None,
+               openapi_url=None)
     app.state.router = router
     api = _Api(router)
-    # Plain Starlette routes: the hot path needs no FastAPI dependency solving.
+    # The two completion routes are served straight from ``_App.__call__``; the Starlette
+    # routes stay for anything that walks the app's routes.
+    app.hot = {"/v1/chat/completions": api.chat, "/v1/completions": api.completions}
     routes = app.router.routes
     routes.append(Route("/v1/chat/completions", api.chat, methods=["POST"]))
     routes.append(Route("/v1/completions", api.completions, methods=["POST"]))
@@ -100,6 +101,36 @@ def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None 
     app.add_api_route("/healthz", api.healthz, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     return app
+
+
+class _App(FastAPI):
+    """FastAPI, with ``POST`` to the completion routes handed straight to their handler.
+
+    Starlette's stack (error and exception middleware, FastAPI's exit-stack middleware,
+    route matching by regex) was a tenth of the router's CPU per request at 128 streams
+    (benchmarks/ROUTER.md); those two routes use none of it. What the stack would do for
+    them is done here: an exception before the answer started is a plain 500, re-raised for
+    the server to log, like Starlette's ``ServerErrorMiddleware``. Every other request
+    (other routes, other methods, lifespan) goes through the whole stack."""
+
+    hot: dict[str, Callable[[Request], Awaitable[Response]]] = {}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.hot.get(scope["path"])
+            if handler is not None:
+                scope["app"] = self
+                if self.root_path:
+                    scope["root_path"] = self.root_path
+                try:
+                    response = await handler(Request(scope, receive, send))
+                except Exception:
+                    await PlainTextResponse("Internal Server Error", status_code=500)(
+                        scope, receive, send)
+                    raise
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 class _Api:
@@ -140,7 +171,7 @@ class _Api:
         """One request through the P/D flow. ``raw``: its body, when the caller has already
         read and decoded it; ``after``: told of the reply before it is sent."""
         t0 = time.perf_counter()
-        rid = uuid.uuid4().hex[:24]
+        rid = secrets.token_hex(12)
         m = self.router.metrics
         tenant = self.authorize(request)
         if tenant is None:
@@ -203,8 +234,9 @@ class _Api:
             if fields is not None:
                 log.info("served", extra={**fields, "ms": round(dt * 1e3, 2)})
             return JSONResponse(reply.json, status_code=reply.status, headers=out_headers)
-        return _SSEResponse(_timed(reply.stream, m, endpoint, stream_label, t0, fields),
-                            gone, headers={"cache-control": "no-cache", **out_headers})
+        return _SSEResponse(reply.stream, gone, _Timing(m, endpoint.value, stream_label, t0,
+                                                        fields),
+                            headers={"cache-control": "no-cache", **out_headers})
 
     def _served_fields(self, reply: Reply, inb: Inbound, endpoint: Endpoint, rid: str,
                        headers: dict[str, str]) -> dict[str, object] | None:
@@ -290,7 +322,7 @@ class _Api:
 
 def _json_body(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        return loads(raw, constants=True)
     except (ValueError, RecursionError):
         raise BadRequest("request body is not valid JSON") from None
 
@@ -309,14 +341,28 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise BadRequest("invalid Content-Length") from None
         if n > limit:
             raise BadRequest(f"request body too large ({n} > {limit} bytes)", status=413)
+    read: bytes | None = getattr(request, "_body", None)  # already read whole (Starlette)
+    if read is not None:
+        if len(read) > limit:
+            raise BadRequest(f"request body too large (> {limit} bytes)", status=413)
+        return read
+    # The server's messages, read here rather than through ``Request.stream()``: an async
+    # generator per request costs its registration with the loop, and this is all it did.
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    receive = request.receive
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise BadRequest(f"request body too large (> {limit} bytes)", status=413)
-        parts.append(chunk)
-    return b"".join(parts)
+        if chunk:
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class _Disconnect:
@@ -359,11 +405,11 @@ class _Disconnect:
 class _SSEResponse(Response):
     """A text/event-stream answer sent from the request's own task (Starlette's
     StreamingResponse runs two more tasks in an anyio task group per response to hear a
-    disconnect; ``_Disconnect`` already does)."""
+    disconnect; ``_Disconnect`` already does), timed as it goes (``_Timing``)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], gone: _Disconnect,
+    def __init__(self, body: AsyncIterator[bytes], gone: _Disconnect, timing: _Timing,
                  headers: dict[str, str]) -> None:
         # No body attribute: no Content-Length (Response.__init__ would set 0).
         self.status_code = 200
@@ -371,53 +417,60 @@ class _SSEResponse(Response):
         self.init_headers(headers)
         self.body_iterator = body
         self.gone = gone
+        self.timing = timing
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         body = self.body_iterator
+        timing = self.timing
+        status = "200"
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": self.raw_headers})
+            first = True
             async for chunk in body:
+                if first:
+                    timing.first()
+                    first = False
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             # Stop listening first: the server answers "disconnect" once the response is
             # complete, and that must not cancel us.
             self.gone.close()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
+            status = "499"
+            timing.metrics.client_disconnects.inc()
             if not self.gone.left():
                 raise
         except OSError:
             pass  # the client's connection broke: the relay is closed below
         finally:
             self.gone.close()
+            timing.end(status)
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(BaseException):
                     await aclose()
 
 
-async def _timed(stream: AsyncIterator[bytes], m: RouterMetrics, endpoint: Endpoint,
-                 stream_label: str, t0: float,
-                 fields: dict[str, object] | None) -> AsyncIterator[bytes]:
-    first = True
-    status = "200"
-    try:
-        async for chunk in stream:
-            if first:
-                m.ttft.labels(endpoint.value, stream_label).observe(time.perf_counter() - t0)
-                first = False
-            yield chunk
-    except asyncio.CancelledError:
-        status = "499"
-        m.client_disconnects.inc()
-        raise
-    finally:
-        dt = time.perf_counter() - t0
-        m.e2e.labels(endpoint.value, stream_label).observe(dt)
-        m.requests.labels(endpoint.value, status).inc()
-        if fields is not None:
-            log.info("served", extra={**fields, "ms": round(dt * 1e3, 2)})
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(Exception):
-                await aclose()
+class _Timing:
+    """A streamed answer's metrics and ``served`` line: time to its first chunk, and when it
+    ended with what status (499: the client left)."""
+
+    __slots__ = ("metrics", "endpoint", "stream_label", "t0", "fields")
+
+    def __init__(self, metrics: RouterMetrics, endpoint: str, stream_label: str, t0: float,
+                 fields: dict[str, object] | None) -> None:
+        self.metrics, self.endpoint, self.stream_label = metrics, endpoint, stream_label
+        self.t0, self.fields = t0, fields
+
+    def first(self) -> None:
+        self.metrics.ttft.labels(self.endpoint, self.stream_label).observe(
+            time.perf_counter() - self.t0)
+
+    def end(self, status: str) -> None:
+        m = self.metrics
+        dt = time.perf_counter() - self.t0
+        m.e2e.labels(self.endpoint, self.stream_label).observe(dt)
+        m.requests.labels(self.endpoint, status).inc()
+        if self.fields is not None:
+            log.info("served", extra={**self.fields, "ms": round(dt * 1e3, 2)})

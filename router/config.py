@@ -205,7 +205,8 @@ class RouterConfig(BaseModel):
     # An event loop that stands still this long, seconds, is logged with the line blocking it
     # and counted (kvtier_router_event_loop_stall_seconds); 0 turns the watchdog off.
     loop_stall_warn_s: float = Field(1.0, ge=0)
-    # The HTTP client of the engine legs: aiohttp when installed ("auto"), or httpx.
+    # The HTTP client of the engine legs: "auto" is router/h1.py's where httptools is
+    # installed, else aiohttp, else httpx.
     upstream_client: Literal["auto", "aiohttp", "httpx"] = "auto"
     # An instance ejected for failed legs is offered one probe leg this often; the first
     # successful leg readmits it (its /health answering does not).

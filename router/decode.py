@@ -150,7 +150,9 @@ class DecodeLeg:
             return None
         entry = RetainedKV.build(conv, tenant, d.name, params.nixl, token_ids,
                                  time.monotonic() + self.cfg.entry_ttl_s, prompt_len)
-        if not await self.store.aput(entry):
+        # Written after the answer: not awaited (a write that fails later goes to the
+        # store's on_evict, which releases the hold started here).
+        if not self.store.put_soon(entry):
             # Not kept (store down or full): nobody will offer these blocks again.
             self.retention.ended(entry, False, ReleaseReason.DROPPED)
             return None

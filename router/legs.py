@@ -1,8 +1,8 @@
 """Upstream I/O of the router: the HTTP legs to engines and the calls to the indexer.
 
 ``Legs`` owns the app's upstream HTTP clients: ``upstream.Upstream`` for the engine legs
-(aiohttp when installed, else httpx; one bounded pool of kept-alive connections per engine
-instance, ``pool_max_connections`` / ``pool_keepalive_s``) and an httpx client for health
+(the lean client of ``h1.py`` when httptools is installed, else aiohttp, else httpx; one
+bounded pool of kept-alive connections per engine instance, ``pool_max_connections`` / ``pool_keepalive_s``) and an httpx client for health
 checks, the indexer and ``/v1/models``. A leg either returns what the engine answered or
 raises:
 
@@ -38,9 +38,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
+import msgspec
 
 from kvtier.ids import PodId
 from kvtier.router.config import RouterConfig
+from kvtier.router.h1 import H1Upstream, httptools_available
 from kvtier.router.indexer_client import IndexerClient, Route
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.pool import InstancePool, InstanceState
@@ -97,15 +99,22 @@ class Legs:
         self.client = httpx.AsyncClient(transport=transport, limits=limits,
                                         timeout=httpx.Timeout(t.health_s, connect=t.connect_s))
         urls = [i.url for i in pool.all()]
-        kind = config.upstream_client
+        kind: str = config.upstream_client
         if kind == "auto":
-            kind = "aiohttp" if transport is None and aiohttp_available() else "httpx"
+            # The lean client (h1.py) where httptools is installed (uvicorn's standard
+            # extras bring it), else aiohttp, else httpx; a test transport means httpx.
+            kind = ("httpx" if transport is not None else "h1" if httptools_available()
+                    else "aiohttp" if aiohttp_available() else "httpx")
         resent = metrics.stale_resends.inc
-        self.upstream: Upstream = (
-            AiohttpUpstream(urls, t.connect_s, n, config.pool_keepalive_s, resent)
-            if kind == "aiohttp" and transport is None
-            else HttpxUpstream(urls, t.connect_s, n, config.pool_keepalive_s, transport,
-                               resent))
+        self.upstream: Upstream
+        if kind == "h1":
+            self.upstream = H1Upstream(urls, t.connect_s, n, config.pool_keepalive_s, resent)
+        elif kind == "aiohttp" and transport is None:
+            self.upstream = AiohttpUpstream(urls, t.connect_s, n, config.pool_keepalive_s,
+                                            resent)
+        else:
+            self.upstream = HttpxUpstream(urls, t.connect_s, n, config.pool_keepalive_s,
+                                          transport, resent)
         self.indexer = (IndexerClient(config.indexer, self.client, t.indexer_s)
                         if config.indexer else None)
         self.indexer_ok: bool | None = None  # the last indexer call's fate (None: none yet)
@@ -129,7 +138,7 @@ class Legs:
         if status != 200:
             raise self._fail(leg, inst, Failure.STATUS, status)
         try:
-            out = json.loads(raw)
+            out = loads(raw)
         except ValueError as e:
             raise self._fail(leg, inst, Failure.PROTOCOL, e) from None
         if not isinstance(out, dict) or (path.endswith("completions")
@@ -246,12 +255,51 @@ class Legs:
 _MAX_FIRST_EVENT = 1 << 20
 
 
+class NonFinite:
+    """``NaN``, ``Infinity`` or ``-Infinity`` as a client's JSON body had it (``loads``):
+    sent on to the engines as it came, which answer for it as before. Standard JSON has no
+    such numbers and msgspec writes a non-finite float as ``null``, so they are kept as
+    they were written, not as floats."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, text: str) -> None:
+        self.raw = msgspec.Raw(text.encode())
+
+    def __repr__(self) -> str:
+        return bytes(self.raw).decode()
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, NonFinite):
+        return obj.raw
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+# Leg bodies are encoded and answers decoded with msgspec: 5-10x json's time per body, three
+# bodies and two answers per request (benchmarks/ROUTER.md).
+_ENCODE = msgspec.json.Encoder(enc_hook=_enc_hook).encode
+_DECODE = msgspec.json.Decoder().decode
+
+
+def loads(raw: bytes, constants: bool = False) -> Any:
+    """JSON as ``json.loads`` reads it, msgspec's speed for standard JSON. What msgspec
+    refuses (``NaN`` and the like, a BOM, another UTF) is read by ``json.loads``: a
+    ``ValueError`` (or ``RecursionError``) when that refuses it too; ``constants``: its
+    non-finite numbers as ``NonFinite`` (a client's body, sent on as it came)."""
+    try:
+        return _DECODE(raw)
+    except msgspec.DecodeError:
+        pass
+    return json.loads(raw, parse_constant=NonFinite) if constants else json.loads(raw)
+
+
 def _dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
+    return _ENCODE(body)
 
 
 def _json_or_text(status: int, raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        return loads(raw)
     except ValueError:
         return {"error": {"message": raw[:2000].decode(errors="replace"), "code": status}}

@@ -162,7 +162,8 @@ def parse_inbound(endpoint: Endpoint, raw: Any, headers: dict[str, str]) -> Inbo
             prompt_ids = tuple(p)
     direct = bool(batch or req.n > 1 or req.use_beam_search or req.echo
                   or req.prompt_logprobs is not None)
-    return Inbound(
+    # Every field is of its type already: no second validation (it copied the body).
+    return Inbound.model_construct(
         endpoint=endpoint,
         body=body,
         model=req.model,
@@ -201,10 +202,11 @@ def _parse_responses(raw: dict[str, Any], headers: dict[str, str]) -> Inbound:
     ``previous_response_id`` and ``background`` here)."""
     req = _validated(_Responses, raw)
     conv, body = _named_and_sanitized(raw, headers)
-    return Inbound(endpoint=Endpoint.RESPONSES, body=body, model=req.model, stream=req.stream,
-                   conversation=ConversationId(conv) if conv else None,
-                   client_wants_token_ids=bool(req.enable_response_messages),
-                   include_usage=False, mode="pd", prompt_ids=None)
+    return Inbound.model_construct(
+        endpoint=Endpoint.RESPONSES, body=body, model=req.model, stream=req.stream,
+        conversation=ConversationId(conv) if conv else None,
+        client_wants_token_ids=bool(req.enable_response_messages),
+        include_usage=False, mode="pd", prompt_ids=None)
 
 
 # Where a conversation's name is read from, first found wins: kvtier's own name, vLLM's

@@ -29,9 +29,10 @@ conversation stored over it) is handed to ``on_evict``: nobody will offer its bl
 again, so the router releases their decode lease (``Retention.evicted``) instead of
 renewing it until the hold ends. A take or a dead pod's discard is not an eviction.
 
-Backends: ``ConversationBackend`` is what the router uses (async ``a*`` methods, so one
-contract covers this in-process store and ``redis_store.RedisStore``, shared by routers and
-workers); ``ConversationStore`` is the ``memory`` backend and keeps its synchronous methods.
+Backends: ``ConversationBackend`` is what the router uses (async ``a*`` methods, and
+``put_soon``, the write after an answer that nothing waits for, so one contract covers this
+in-process store and ``redis_store.RedisStore``, shared by routers and workers);
+``ConversationStore`` is the ``memory`` backend and keeps its synchronous methods.
 ``open_store`` builds the one a config names.
 
 Threading model: one asyncio event loop owns a store; methods never await and
@@ -121,7 +122,16 @@ class ConversationBackend(Protocol):
         tokenization)."""
         ...
 
-    async def aput(self, entry: RetainedKV) -> bool: ...
+    async def aput(self, entry: RetainedKV) -> bool:
+        """Store ``entry`` (replacing its conversation's older one); True once stored."""
+        ...
+
+    def put_soon(self, entry: RetainedKV) -> bool:
+        """Store ``entry`` without waiting for a remote backend: False when refused at once
+        (too large, already expired, the backend known down); True when stored or written
+        (the write under way: its failure is counted, logged and handed to ``on_evict``).
+        What the router calls after a turn, so the answer never waits for the store."""
+        ...
 
     async def atake(self, tenant: str,
                     conversation: ConversationId) -> tuple[RetainedKV | None, bool]: ...
@@ -362,6 +372,9 @@ class ConversationStore:
     async def aput(self, entry: RetainedKV) -> bool:
         return self.put(entry)
 
+    def put_soon(self, entry: RetainedKV) -> bool:
+        return self.put(entry)
+
     async def atake(self, tenant: str,
                     conversation: ConversationId) -> tuple[RetainedKV | None, bool]:
         return self.take(tenant, conversation)
@@ -386,15 +399,17 @@ def open_store(url: str, *, max_entries: int, max_bytes: int, block_size: int,
                ) -> ConversationBackend:
     """The backend ``url`` names: ``memory`` or ``redis://HOST:PORT/DB``. ``on_call(op,
     seconds)`` hears every remote call (seconds None: it failed); ``on_evict(entry)`` every
-    entry the memory store lets go untaken (Redis expires and evicts on its own: see
-    redis_store.py)."""
+    entry the memory store lets go untaken, and every Redis write after an answer that failed
+    (Redis expires and evicts on its own: see redis_store.py). With Redis, ``max_entries``
+    and ``max_bytes`` cap this process's copies of entries (``redis_store._Recent``)."""
     if url == "memory":
         return ConversationStore(max_entries, max_bytes, block_size=block_size,
                                  on_evict=on_evict)
     from kvtier.router.redis_store import RedisStore
 
     return RedisStore(url, namespace=namespace, ttl_s=ttl_s, block_size=block_size,
-                      timeout_s=timeout_s, on_call=on_call)
+                      timeout_s=timeout_s, on_call=on_call, on_evict=on_evict,
+                      cache_entries=max_entries, cache_bytes=max_bytes)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:

@@ -1,11 +1,13 @@
-"""The HTTP client under the router's engine legs: one small interface, two implementations.
+"""The HTTP client under the router's engine legs: one small interface, three implementations.
 
 ``Upstream.post`` sends one JSON body and returns (status, body bytes); ``Upstream.open``
 sends one and returns a ``Stream`` whose status is known and whose body is read chunk by
 chunk. Transport trouble is raised as ``UpstreamIOError`` with a ``retry.Failure`` kind
 (connect / timeout / protocol), whatever the library said.
 
-- ``AiohttpUpstream`` (used when aiohttp is installed and no test transport is given): one
+- ``h1.H1Upstream`` (used when httptools is installed and no test transport is given): a
+  lean HTTP/1.1 client of the router's own, on asyncio and httptools (see h1.py).
+- ``AiohttpUpstream`` (used when aiohttp is installed and httptools is not): one
   ``ClientSession`` per engine instance, a bounded connection pool kept alive. aiohttp's
   pool hands out a free connection in O(1); httpcore's walks every pooled connection and
   polls each idle socket on every request, which was a third of the router's time at 128
@@ -19,7 +21,7 @@ wait for each read (the first byte included), never the stream's length.
 Stale pooled connections: an engine closes a connection that sat idle (vLLM's server after
 ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s). If it does so just as the next request is written on
 it, that request fails before the engine read it (a CI run lost a prefill leg, and with it a
-D->P read, this way). Both implementations send such a request once more, on a new
+D->P read, this way). Every implementation sends such a request once more, on a new
 connection, and call ``on_resend``: only when the connection was a reused one and no answer
 had begun. A request that fails on a new connection is never resent (the engine may be
 running it). ``RouterConfig.pool_keepalive_s`` stays below the engines' keep-alive so the
@@ -31,6 +33,7 @@ Threading model: used from the app's event loop only; sessions are created lazil
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
@@ -230,7 +233,7 @@ def _aiohttp_error(e: BaseException) -> UpstreamIOError:
 
 
 class _Reuse:
-    """aiohttp trace context: whether the request was handed a pooled connection."""
+    """Whether the request was handed a pooled connection (set by ``_connector``'s)."""
 
     __slots__ = ("reused",)
 
@@ -238,8 +241,33 @@ class _Reuse:
         self.reused = False
 
 
-async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
-    ctx.trace_request_ctx.reused = True
+# The request being sent by this task: aiohttp gets the connection inline in the caller's
+# task, so the connector sees the mark of the request it serves.
+_MARK: contextvars.ContextVar[_Reuse | None] = contextvars.ContextVar("kvtier_upstream_mark",
+                                                                      default=None)
+
+
+def _connector(**kwargs: Any) -> Any:
+    """An aiohttp ``TCPConnector`` that marks a request handed a pooled connection.
+
+    aiohttp says so only through its request tracing, which sends about ten trace signals
+    per request (each a coroutine and a params object) for the one we need: a few percent
+    of the router's CPU at 128 streams. The pool's private ``_get`` is where a pooled
+    connection is handed out; should a later aiohttp rename it, nothing is marked reused
+    and no request is ever resent (the safe side: tests/integration/test_router_upstream.py
+    then fails)."""
+    import aiohttp
+
+    class Connector(aiohttp.TCPConnector):
+        async def _get(self, key: Any, traces: Any) -> Any:
+            conn = await super()._get(key, traces)
+            if conn is not None:
+                mark = _MARK.get()
+                if mark is not None:
+                    mark.reused = True
+            return conn
+
+    return Connector(**kwargs)
 
 
 class AiohttpUpstream:
@@ -253,38 +281,47 @@ class AiohttpUpstream:
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
         self._sessions: dict[str, Any] = {}
+        self._by_url: dict[str, Any] = {}  # full URL -> its instance's session
 
     def _session(self, url: str) -> Any:
+        s = self._by_url.get(url)
+        if s is None:
+            s = self._new_session(url)
+            if len(self._by_url) < 4096:  # engine URLs x paths: a handful
+                self._by_url[url] = s
+        return s
+
+    def _new_session(self, url: str) -> Any:
         import aiohttp
 
         base = next((u for u in self.urls if url.startswith(u)), "")
         s = self._sessions.get(base)
         if s is None:
-            conn = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
-                                        keepalive_timeout=self.keepalive_s,
-                                        enable_cleanup_closed=False, ttl_dns_cache=300)
-            trace = aiohttp.TraceConfig()
-            trace.on_connection_reuseconn.append(_on_reuse)
+            conn = _connector(limit=self.max_connections, limit_per_host=0,
+                              keepalive_timeout=self.keepalive_s,
+                              enable_cleanup_closed=False, ttl_dns_cache=300)
             s = self._sessions[base] = aiohttp.ClientSession(
-                connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",),
-                trace_configs=[trace])
+                connector=conn, auto_decompress=False, skip_auto_headers=("User-Agent",))
         return s
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str], timeout: Any) -> Any:
         """The response, its body not read yet; resent once after a stale connection."""
         import aiohttp
 
+        session = self._session(url)
         for resend in (False, True):
             mark = _Reuse()
+            token = _MARK.set(mark)
             try:
-                return await self._session(url).post(url, data=body, headers=headers,
-                                                      timeout=timeout, trace_request_ctx=mark)
+                return await session.post(url, data=body, headers=headers, timeout=timeout)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 if resend or not mark.reused or isinstance(e, aiohttp.ClientConnectorError):
                     raise _aiohttp_error(e) from None
                 self.on_resend()
             except (TimeoutError, aiohttp.ClientError) as e:
                 raise _aiohttp_error(e) from None
+            finally:
+                _MARK.reset(token)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def post(self, url: str, body: bytes, headers: dict[str, str], total_s: float,
@@ -312,3 +349,4 @@ class AiohttpUpstream:
         for s in self._sessions.values():
             await s.close()
         self._sessions.clear()
+        self._by_url.clear()

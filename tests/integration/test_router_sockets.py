@@ -1,5 +1,5 @@
-"""The router's production upstream client (aiohttp, real sockets) against the same fake
-engines the unit tests use (tests/fakes/engine.py, served over HTTP by a small ASGI
+"""The router's production upstream clients (router/h1.py's, the default, and aiohttp; real
+sockets; every test runs with each) against the same fake engines the unit tests use (tests/fakes/engine.py, served over HTTP by a small ASGI
 adapter): the header allow-list, garbage answers, a decode dying mid-stream, the end of a
 stream without [DONE], a timing-out prefill ejected though its /health answers."""
 
@@ -84,14 +84,26 @@ def fleet() -> Iterator[tuple[FakeEngines, dict[str, str]]]:
             s.stop()
 
 
+CLIENT = {"name": "auto"}  # the upstream_client of this test's routers (``client``)
+
+
+@pytest.fixture(autouse=True, params=["auto", "aiohttp"])
+def client(request: pytest.FixtureRequest) -> Iterator[str]:
+    CLIENT["name"] = request.param
+    yield request.param
+    CLIENT["name"] = "auto"
+
+
 def router(real: dict[str, str], **kw: Any) -> RouterServer:
     prefill = [{"name": f"prefill-{i}", "url": real[u], "role": "prefill"}
                for i, u in enumerate(kw.pop("prefill", [P_URL]))]
     cfg = RouterConfig.model_validate({
         "instances": [*prefill, {"name": "decode-0", "url": real[D_URL], "role": "decode"}],
-        "port": 0, "log_json": False, "block_size": BLOCK_SIZE, **kw})
+        "port": 0, "log_json": False, "block_size": BLOCK_SIZE,
+        "upstream_client": CLIENT["name"], **kw})
     srv = RouterServer(cfg, health_checks=False)
-    assert srv.router.legs.upstream.name == "aiohttp"
+    # "auto" is the lean client where httptools is installed (it is, with uvicorn[standard])
+    assert srv.router.legs.upstream.name == {"auto": "h1"}.get(CLIENT["name"], CLIENT["name"])
     return srv
 
 

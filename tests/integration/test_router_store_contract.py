@@ -5,12 +5,15 @@ router loses nothing, and a Redis outage serves without reuse (never a 5xx)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import signal
 import time
 import uuid
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from kvtier.ids import ConversationId, PodId
@@ -175,6 +178,153 @@ def _readlink(path: str) -> str:
         return os.readlink(path)
     except OSError:  # closed between listing and reading
         return ""
+
+
+def test_a_long_conversation_round_trips(backend: str) -> None:
+    """100k tokens (400 KB of ids: many socket reads per reply), by take and by find."""
+    async def go() -> None:
+        s = make_store(backend, uuid.uuid4().hex)
+        ids = [i % 50_000 for i in range(100_000)]
+        long = PARAMS.model_copy(update={"remote_num_tokens": len(ids)})
+
+        def big(conv: str) -> RetainedKV:
+            return RetainedKV.build(ConversationId(conv), "", PodId("decode-0"), long, ids,
+                                    time.monotonic() + 60, len(ids) - 16)
+        assert await s.aput(big("a"))
+        assert s.put_soon(big("b"))
+        assert await s.afind("", [*ids, 1, 2, 3]) in ("a", "b")
+        for conv in ("a", "b"):
+            got, _ = await s.atake("", ConversationId(conv))
+            assert got is not None and np.array_equal(got.covered, np.asarray(ids))
+        await s.aclose()
+    run(go())
+
+
+# ---- the write after the answer ------------------------------------------------------------
+def test_a_write_not_awaited_is_read_by_the_next_lookup(backend: str) -> None:
+    """``put_soon`` returns before the write is done; the same store's next take and find
+    still see it (the connection keeps the order)."""
+    async def go() -> None:
+        s = make_store(backend, uuid.uuid4().hex)
+        await s.astats()  # connected: a write goes on the socket at once
+        for i in range(20):
+            assert s.put_soon(entry(f"c{i}", list(range(i, i + 12)), prompt_len=8))
+        for i in range(0, 20, 2):
+            got, _ = await s.atake("", ConversationId(f"c{i}"))
+            assert got is not None and list(got.covered) == list(range(i, i + 12))
+        assert await s.afind("", [*range(1, 13), 9, 9, 9, 9]) == "c1"
+        # Not connected yet (a fresh store): the write waits for the connection, the take
+        # for the write.
+        s2 = make_store(backend, uuid.uuid4().hex)
+        assert s2.put_soon(entry("x", list(range(12))))
+        assert (await s2.atake("", ConversationId("x")))[0] is not None
+        await s.aclose()
+        await s2.aclose()
+    run(go())
+
+
+def test_close_waits_for_the_writes_under_way(redis_url: str) -> None:
+    """(Redis only: the memory store dies with its process.)"""
+    async def go() -> None:
+        ns = uuid.uuid4().hex
+        s = make_store(redis_url, ns)
+        for i in range(50):
+            assert s.put_soon(entry(f"c{i}", list(range(12))))
+        await s.aclose()
+        again = make_store(redis_url, ns)
+        assert all([(await again.atake("", ConversationId(f"c{i}")))[0] is not None
+                    for i in range(50)])
+        await again.aclose()
+    run(go())
+
+
+def test_a_write_that_fails_after_the_answer_is_counted_logged_and_evicted(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis stops answering (SIGSTOP) after the router handed a write over: ``put_soon`` has
+    returned at once; the write fails at the store's timeout, counted as a failed put, logged,
+    and its entry handed to ``on_evict`` (which releases the decode lease)."""
+    srv = RedisServer(tmp_path)
+    calls: list[tuple[str, float | None]] = []
+    evicted: list[RetainedKV] = []
+    assert srv.proc is not None
+
+    async def go() -> None:
+        s = open_store(srv.url, max_entries=10, max_bytes=1 << 20, block_size=BS, ttl_s=60,
+                       namespace="t", timeout_s=0.3,
+                       on_call=lambda op, sec: calls.append((op, sec)),
+                       on_evict=evicted.append)
+        assert s.put_soon(entry("ok", list(range(12))))
+        assert (await s.atake("", ConversationId("ok")))[0] is not None
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            e = entry("lost", list(range(12)))
+            t0 = time.monotonic()
+            assert s.put_soon(e)
+            assert time.monotonic() - t0 < 0.05  # nothing waited for Redis
+            await asyncio.sleep(0.6)
+            assert [x.conversation for x in evicted] == ["lost"]
+            assert ("put", None) in calls and not s.ok
+            assert not s.put_soon(entry("later", list(range(12))))  # known down: refused
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        await s.aclose()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.router"):
+            run(go())
+    finally:
+        srv.kill()
+    assert any("write of lost lost" in r.getMessage() for r in caplog.records)
+
+
+# ---- the local copies: another replica's newer write always wins --------------------------
+def test_a_newer_write_by_another_replica_wins_over_the_local_copy(redis_url: str) -> None:
+    async def go() -> None:
+        ns = uuid.uuid4().hex
+        a, b = make_store(redis_url, ns), make_store(redis_url, ns)
+        # A wrote (and keeps a copy); B wrote the conversation's next turn since.
+        assert await a.aput(entry("c", list(range(12)), pod="decode-0"))
+        assert await b.aput(entry("c", list(range(100, 116)), pod="decode-1"))
+        got, _ = await a.atake("", ConversationId("c"))
+        assert got is not None and got.decode_pod == "decode-1"
+        assert list(got.covered) == list(range(100, 112))
+        # Taken by B: A's copy is never handed out.
+        assert a.put_soon(entry("d", list(range(12))))
+        assert (await b.atake("", ConversationId("d")))[0] is not None
+        assert await a.atake("", ConversationId("d")) == (None, False)
+        # A's find proves against B's entry, not its copy: the copy's prompt would match.
+        await a.aput(entry("f", [*range(8), 1, 1, 1, 1, 50], prompt_len=12))
+        await b.aput(entry("f", [*range(8), 2, 2, 2, 2, 60], prompt_len=12))
+        assert await a.afind("", [*range(8), 1, 1, 1, 1, 50, 9, 9, 9]) is None
+        assert await a.afind("", [*range(8), 2, 2, 2, 2, 60, 9, 9, 9]) == "f"
+        got, _ = await a.atake("", ConversationId("f"))
+        assert got is not None and list(got.covered)[8:12] == [2, 2, 2, 2]
+        await a.aclose()
+        await b.aclose()
+    run(go())
+
+
+def test_the_local_copy_is_the_entry_when_redis_confirms_it(redis_url: str) -> None:
+    """A take answered "same version" (no value sent) hands out the copy: equal to what was
+    stored, with Redis's remaining TTL; a copy from another replica's find serves the take."""
+    async def go() -> None:
+        ns = uuid.uuid4().hex
+        a, b = make_store(redis_url, ns), make_store(redis_url, ns)
+        e = entry("c", list(range(1, 13)), prompt_len=8, ttl_s=30)
+        assert a.put_soon(e)
+        got, expired = await a.atake("", ConversationId("c"))
+        assert got is not None and not expired
+        assert (got.params, got.decode_pod, got.digest, got.prompt_len) == \
+            (e.params, e.decode_pod, e.digest, e.prompt_len)
+        assert list(got.covered) == list(e.covered)
+        assert 25 < got.expires_at - time.monotonic() <= 30
+        await a.aput(entry("g", [*range(8), 3, 3, 3, 3, 70], prompt_len=12))
+        assert await b.afind("", [*range(8), 3, 3, 3, 3, 70, 9]) == "g"
+        got, _ = await b.atake("", ConversationId("g"))
+        assert got is not None and list(got.covered)[8:12] == [3, 3, 3, 3]
+        assert await a.atake("", ConversationId("g")) == (None, False)
+        await a.aclose()
+        await b.aclose()
+    run(go())
 
 
 # ---- Redis outage ------------------------------------------------------------------------

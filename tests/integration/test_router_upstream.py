@@ -17,6 +17,7 @@ from typing import Self
 
 import pytest
 
+from kvtier.router.h1 import H1Upstream
 from kvtier.router.retry import Failure
 from kvtier.router.upstream import AiohttpUpstream, HttpxUpstream, Upstream, UpstreamIOError
 
@@ -83,7 +84,13 @@ def _httpx(url: str, resent: Callable[[], None]) -> Upstream:
                          on_resend=resent)
 
 
-IMPLEMENTATIONS = [pytest.param(_aiohttp, id="aiohttp"), pytest.param(_httpx, id="httpx")]
+def _h1(url: str, resent: Callable[[], None]) -> Upstream:
+    return H1Upstream([url], connect_s=2.0, max_connections=4, keepalive_s=30.0,
+                      on_resend=resent)
+
+
+IMPLEMENTATIONS = [pytest.param(_aiohttp, id="aiohttp"), pytest.param(_httpx, id="httpx"),
+                   pytest.param(_h1, id="h1")]
 
 
 async def _post(up: Upstream, url: str) -> tuple[int, bytes]:
@@ -176,7 +183,7 @@ def test_a_request_is_sent_again_once_at_most(make: Make) -> None:
     _run(go())
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("client", ["aiohttp", "httpx", "auto"])
 def test_the_router_counts_its_resends(client: str) -> None:
     from kvtier.router.config import RouterConfig
     from kvtier.router.server import RouterServer
@@ -188,8 +195,169 @@ def test_the_router_counts_its_resends(client: str) -> None:
     assert cfg.pool_keepalive_s < 5  # below vLLM's own keep-alive
     srv = RouterServer(cfg, health_checks=False)
     upstream = srv.router.legs.upstream
-    assert upstream.name == client
+    assert upstream.name == ("h1" if client == "auto" else client)  # httptools is installed
     upstream.on_resend()
     upstream.on_resend()
     got = srv.router.metrics.registry.get_sample_value("kvtier_router_upstream_stale_resends_total")
     assert got == 2
+
+
+# ---- what every implementation says of other engine trouble --------------------------------
+class RawEngine:
+    """Answers every request with ``reply(n)`` (bytes to write, then ``close`` or not), the
+    ``n``-th request of the engine; counts connections."""
+
+    def __init__(self, reply: Callable[[int], Awaitable[tuple[list[bytes], bool]]]) -> None:
+        self.reply = reply
+        self.connections = 0
+        self.requests = 0
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.requests += 1
+                parts, close = await self.reply(self.requests)
+                for p in parts:
+                    writer.write(p)
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+                if close:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+
+def _chunked(*events: bytes) -> list[bytes]:
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    return [head, *(b"%x\r\n%s\r\n" % (len(e), e) for e in events), b"0\r\n\r\n"]
+
+
+EVENTS = [b'data: {"a":1}\n\n', b'data: {"a":2}\n\n', b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("make", IMPLEMENTATIONS)
+def test_a_stream_is_relayed_as_it_comes_and_its_connection_kept(make: Make) -> None:
+    async def go() -> None:
+        async def reply(n: int) -> tuple[list[bytes], bool]:
+            return _chunked(*EVENTS), False
+
+        async with RawEngine(reply) as engine:
+            up = make(engine.url, lambda: None)
+            try:
+                for _ in range(2):
+                    assert await _open(up, engine.url) == (200, b"".join(EVENTS))
+                assert await _post(up, engine.url) == (200, b"".join(EVENTS))
+            finally:
+                await up.aclose()
+        assert (engine.requests, engine.connections) == (3, 1)
+
+    _run(go())
+
+
+@pytest.mark.parametrize("make", IMPLEMENTATIONS)
+def test_a_stream_closed_early_does_not_leave_its_connection_for_the_next(make: Make) -> None:
+    async def go() -> None:
+        async def reply(n: int) -> tuple[list[bytes], bool]:
+            return _chunked(*EVENTS), False
+
+        async with RawEngine(reply) as engine:
+            up = make(engine.url, lambda: None)
+            try:
+                s = await up.open(engine.url + "/v1/completions", b"{}", {}, 5.0)
+                first = await anext(s.chunks())
+                assert first.startswith(b"data:")
+                await s.close()  # the relay's client left
+                assert await _post(up, engine.url) == (200, b"".join(EVENTS))
+            finally:
+                await up.aclose()
+        assert engine.requests == 2
+
+    _run(go())
+
+
+@pytest.mark.parametrize("make", IMPLEMENTATIONS)
+@pytest.mark.parametrize("call", CALLS)
+def test_an_engine_that_breaks_mid_answer_or_answers_garbage_is_a_protocol_error(
+        make: Make, call) -> None:
+    async def go() -> None:
+        async def reply(n: int) -> tuple[list[bytes], bool]:
+            if n == 1:  # chunked, cut after one event
+                return _chunked(*EVENTS)[:2], True
+            return [b"\x00\xffnot http at all\r\n\r\n"], True
+
+        async with RawEngine(reply) as engine:
+            up = make(engine.url, lambda: None)
+            try:
+                for _ in range(2):
+                    with pytest.raises(UpstreamIOError) as err:
+                        await call(up, engine.url)
+                    assert err.value.kind is Failure.PROTOCOL
+            finally:
+                await up.aclose()
+
+    _run(go())
+
+
+@pytest.mark.parametrize("make", IMPLEMENTATIONS)
+@pytest.mark.parametrize("call", CALLS)
+def test_an_engine_that_never_answers_times_out(make: Make, call) -> None:
+    async def go() -> None:
+        async def reply(n: int) -> tuple[list[bytes], bool]:
+            await asyncio.sleep(30)
+            return [], True
+
+        async def short(up: Upstream, url: str) -> tuple[int, bytes]:
+            if call is _post:
+                return await up.post(url + "/v1/completions", b"{}", {}, 0.3)
+            s = await up.open(url + "/v1/completions", b"{}", {}, 0.3)
+            await s.close()
+            return s.status, b""
+
+        async with RawEngine(reply) as engine:
+            up = make(engine.url, lambda: None)
+            try:
+                with pytest.raises(UpstreamIOError) as err:
+                    await short(up, engine.url)
+            finally:
+                await up.aclose()
+        assert err.value.kind is Failure.TIMEOUT
+
+    _run(go())
+
+
+@pytest.mark.parametrize("make", IMPLEMENTATIONS)
+@pytest.mark.parametrize("call", CALLS)
+def test_a_refused_connection_is_a_connect_failure(make: Make, call) -> None:
+    async def go() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        server.close()
+        await server.wait_closed()  # nothing listens there now
+        up = make(url, lambda: None)
+        try:
+            with pytest.raises(UpstreamIOError) as err:
+                await call(up, url)
+        finally:
+            await up.aclose()
+        assert err.value.kind is Failure.CONNECT
+
+    _run(go())

@@ -220,3 +220,16 @@ def test_byte_accounting_follows_what_entries_really_cost() -> None:
         real = (tracemalloc.get_traced_memory()[0] - before) / n
         tracemalloc.stop()
         assert 0.75 * real <= s.nbytes / n <= 1.25 * real, (ntok, real, s.nbytes / n)
+
+
+def test_redis_urls_name_host_port_db_tls_socket_and_credentials() -> None:
+    from kvtier.router.redis_conn import Target
+
+    t = Target.from_url("redis://127.0.0.1:6380/2")
+    assert (t.host, t.port, t.db, t.tls, t.path, t.password) == ("127.0.0.1", 6380, 2, False,
+                                                                  None, None)
+    t = Target.from_url("rediss://user:p%40ss@redis.svc/0")
+    assert (t.host, t.port, t.tls, t.username, t.password) == ("redis.svc", 6379, True, "user",
+                                                               "p@ss")
+    t = Target.from_url("unix:///run/redis.sock?db=3")
+    assert (t.path, t.db) == ("/run/redis.sock", 3)
