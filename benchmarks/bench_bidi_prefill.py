@@ -8,7 +8,7 @@ first two warm up)::
 
     python benchmarks/bench_bidi_prefill.py nixl-unidirectional nixl-bidirectional
 
-Why: in both host-scarce A/B runs (benchmarks/AB.md, session 11) a prefill that reused nothing
+Why: in both host-scarce A/B runs (in the git history of benchmarks/AB.md) a prefill that reused nothing
 was 2-3x slower at equal length in the stacks that retain on the decode node. This checks
 whether bidirectional mode alone costs that on an idle stack.
 """

@@ -24,8 +24,9 @@ long as somebody renews their lease. ``Retention`` is the flow's one handle on t
 - ``close`` releases a conversation the client closed (``DELETE /v1/conversations/{id}``);
 - ``evicted`` releases a turn the store let go untaken (its entry or byte cap, its expiry, a
   newer turn stored over it): nobody will offer those blocks again, so they are not renewed
-  until the hold ends. The memory store calls it; Redis expires entries on its own clock,
-  which ends them when their hold ends anyway (``router/redis_store.py``).
+  until the hold ends. The memory store calls it; the Redis store calls it for a turn whose
+  write failed after the answer, and otherwise expires entries on Redis's clock, which ends
+  them when their hold ends anyway (``router/redis_store.py``).
 
 Release calls on the request path run in the background: a slow decode node never delays an
 answer. A decode node without a ``lease`` endpoint is left to vLLM's TTL, as before.
