@@ -149,7 +149,7 @@ def test_a_killed_router_frees_within_one_lease(http, stack, tmp_path):
     cfg.write_text(json.dumps(router_config(stack, lease_s, port)))
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "router", "--config", str(cfg)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            process_group=0, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: _healthy(http, url), 60, 0.2), "router did not start"

@@ -113,7 +113,7 @@ def _spawn_router(tmp: Path, stack, redis_url: str, ns: str) -> tuple[subprocess
                                "timeouts": STORE_TIMEOUT}))
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "router", "--config",
                              str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            process_group=0)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
