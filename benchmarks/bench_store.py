@@ -34,9 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_router import store_call_means  # noqa: E402
 from bench_router_fleet import Fleet, free_port, spawn  # noqa: E402
 
 TARGET_ADDED_P50_MS = 0.5  # issue 31: Redis store <= +0.5 ms per named turn at p50
@@ -90,22 +89,6 @@ async def conversations(urls: dict[str, str], stream: bool, duration: float,
                      for w, v in (("all", both), ("first", first[k]), ("later", later[k]))
                      for q in (50, 99)}}
     return res
-
-
-def store_call_means(base_url: str) -> dict[str, float]:
-    """The router's own account of its store calls: mean microseconds per call, by op."""
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if not line.startswith("kvtier_router_store_latency_seconds_"):
-            continue
-        name, _, value = line.rpartition(" ")
-        op = name.split('op="', 1)[1].split('"', 1)[0] if 'op="' in name else "?"
-        if "_sum" in name:
-            sums[op] = float(value)
-        elif "_count" in name:
-            counts[op] = float(value)
-    return {op: round(sums[op] / counts[op] * 1e6, 1) for op in sums if counts.get(op)}
 
 
 STORE_TURN = """
