@@ -14,7 +14,11 @@ and concurrent calls share the socket (pipelined; replies are matched first in, 
 
 Faults: a call not answered within ``timeout_s``, or a connection that drops, fails every
 call in flight on it (``TimeoutError``, ``ConnectionError``) and closes it; the next call
-connects again. An error reply raises ``ReplyError`` and leaves the connection up.
+connects again. A deadline is Redis's, not this process's: when the loop itself was held up
+past it (a busy or starved router: the deadline's timer runs late), the reply may be waiting
+unread in the socket, so the call fails only if it is still unanswered after one more poll
+(else a starved router drops writes that Redis answered in time). An error reply raises
+``ReplyError`` and leaves the connection up.
 
 URLs: ``redis://[user:password@]HOST[:PORT][/DB]``, ``rediss://`` (TLS, the system's
 certificates) and ``unix:///PATH[?db=N]``.
@@ -33,6 +37,8 @@ from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlparse
 
 Reply = Any  # bytes | int | None | list[Reply]: what RESP2 carries
+# A deadline seen this late (s) was held up by this process, not Redis (``_Protocol._timed_out``).
+_LAG_S = 0.02
 
 
 class ReplyError(Exception):
@@ -123,6 +129,7 @@ def _parse(buf: bytearray, i: int) -> tuple[Reply, int]:
 class _Protocol(asyncio.Protocol):
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
+        self.late_looks = 0  # deadlines found passed only because this loop was held up
         self.buf = bytearray()
         self.waiting: deque[tuple[asyncio.Future[Reply], asyncio.TimerHandle]] = deque()
         self.transport: asyncio.Transport | None = None
@@ -139,7 +146,7 @@ class _Protocol(asyncio.Protocol):
         if self.closed or self.transport is None:
             fut.set_exception(ConnectionError("redis connection closed"))
             return fut
-        timer = loop.call_later(self.timeout_s, self._timed_out)
+        timer = loop.call_later(self.timeout_s, self._timed_out, fut, loop.time() + self.timeout_s)
         self.waiting.append((fut, timer))
         self.transport.write(data)
         return fut
@@ -168,7 +175,18 @@ class _Protocol(asyncio.Protocol):
         if pos:
             del buf[:pos]
 
-    def _timed_out(self) -> None:
+    def _timed_out(self, fut: asyncio.Future[Reply], due: float | None) -> None:
+        """``fut``'s deadline ``due`` passed (None: its second look, after a poll)."""
+        if fut.done() or self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        if due is not None and loop.time() - due > _LAG_S:
+            # This process was held up past the deadline (its loop busy, or the process not
+            # scheduled), not necessarily Redis: the reply may be in the socket unread, and
+            # uvloop runs due timers before it polls its sockets. Look again after one poll.
+            self.late_looks += 1
+            loop.call_later(_LAG_S, self._timed_out, fut, None)
+            return
         self._fail(TimeoutError(f"redis did not answer within {self.timeout_s} s"))
 
     def connection_lost(self, exc: Exception | None) -> None:

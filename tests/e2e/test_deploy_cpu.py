@@ -136,11 +136,22 @@ def test_three_turns_through_the_router_service_reuse_kv(cluster: Cluster) -> No
             history = prompt + r.json()["choices"][0]["token_ids"]
     assert seen[0][1].startswith("none"), seen
     for turn, reuse, ext, prompt, _ in seen[1:]:
-        assert reuse.startswith(("dp_read", "p2p")), (turn, seen)
+        assert reuse.startswith(("dp_read", "p2p")), (turn, seen, _router_logs(cluster))
         # the previous answer at least (the prefill's own cache holds the previous prompt),
         # more than the recompute threshold
         assert ext >= 64, (turn, seen)
         assert ext < prompt, (turn, seen)
+
+
+def _router_logs(cl: Cluster) -> str:
+    """The routers' own words (their log files stay on the machine that ran the test): each
+    replica's warnings and served lines, which name each turn's take, plan and hold."""
+    out = []
+    for pod in cl.of("router"):
+        lines = [ln for ln in cl.log_tail(pod, "router", 200_000).splitlines()
+                 if "served" in ln or "WARNING" in ln.upper() or "ERROR" in ln.upper()]
+        out.append(f"--- {pod.name}\n" + "\n".join(lines[-20:]))
+    return "\n".join(out)
 
 
 def test_every_probe_answers(cluster: Cluster) -> None:
