@@ -227,3 +227,29 @@ def test_a_continuation_whose_answer_diverges_at_once_is_found() -> None:
     # the answer came back re-tokenized differently from its first token on
     assert s.find("", [*system, 1, 2, 8, 8, 8, 8, 5]) == "a"
     assert s.find("", [*system, 5, 6, 9, 9, 9, 9]) is None
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_cfg(request: pytest.FixtureRequest) -> dict[str, Any]:
+    if request.param == "memory":
+        return {}
+    return {"store": request.getfixturevalue("redis_url"),
+            "store_namespace": f"sessions-{time.monotonic_ns()}"}
+
+
+def test_a_named_turn_hits_its_own_entry_and_a_new_name_continues_by_content(
+        store_cfg: dict[str, Any]) -> None:
+    """With a remote store the named take and the find go out together (router/flow.py): a
+    hit uses the take, a miss the find, as the memory store's sequence does."""
+    for c, _, _ in make(**store_cfg):
+        complete(c, PROMPT, conversation_id="x")
+        assert reuse(complete(c, [*PROMPT, *GEN, 7], conversation_id="x")) == (
+            f"dp_read; tokens={COVERED}", "full")
+    fresh = {**store_cfg, "store_namespace": f"sessions-{time.monotonic_ns()}"} \
+        if store_cfg else {}
+    for c, _, _ in make(**fresh):
+        complete(c, PROMPT, conversation_id="x")
+        r = complete(c, [*PROMPT, *GEN, 7], conversation_id="y")  # a name never seen
+        assert reuse(r) == (f"dp_read; tokens={COVERED}", "full")
+        # x's turn was taken by y's: x alone has nothing left
+        assert reuse(complete(c, [9, 9, 9], conversation_id="x")) == ("none; tokens=0", "none")
