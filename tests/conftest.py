@@ -31,10 +31,16 @@ import pytest
 from filelock import BaseFileLock
 
 from kvtier.ab.live.lock import e2e_lock
+from kvtier.devstack.placement import no_transparent_hugepages
 from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
 from tests.helpers import RedisServer
 from tests.reruns import rerun_allowed
+
+# Before anything maps much memory: khugepaged never scans this process or what it starts
+# (a starved khugepaged holding a process's memory-map lock froze a whole test run:
+# kvtier.devstack.placement, point 3).
+no_transparent_hugepages()
 
 MAX_INSTANCES = 3
 # KV capacity of every pooled stack's instances unless its spec sets one: 4,096 blocks (131,072

@@ -26,6 +26,17 @@ D decoding); at nice 19 up to 270 ms, at nice 10 up to 35 ms. At nice 10 a spinn
 ~10% of a busy core (CFS weight 110 against 1024) and all of an idle one, which costs nothing.
 ``nice=None`` keeps the old SCHED_IDLE behaviour.
 
+3. **A starved khugepaged freezes whole processes** (caught live on the 2-core test machine,
+   ``benchmarks/stalls/README.md``): the kernel's huge-page collapser (``khugepaged``, nice 19)
+   scans a process's memory map holding its ``mmap_lock`` for reading and may be preempted
+   there; with both cores taken by the spinners it then got no CPU for 20+ minutes, so the
+   process's next ``munmap``/``mprotect`` (a ``free`` in Python, with the GIL held) waited on
+   that lock and every thread of the process with it. Reniced to 0, khugepaged ran within a
+   second and the process went on. `no_transparent_hugepages` turns transparent huge pages off
+   for the calling process and all it starts (``prctl(PR_SET_THP_DISABLE)``, inherited across
+   fork and exec), so khugepaged never scans them: `LocalStack` calls it before it starts
+   engines, and the test suite at its start.
+
 Nice levels (and SCHED_IDLE) weigh threads within one session only: Linux schedules each
 session as one group (autogroup, on by default), so a spinner demoted here still takes a full
 share of its core from work in other sessions. `LocalStack` keeps its instances in its own
@@ -52,6 +63,26 @@ MAX_SPINNERS = 2              # NIXL progress threads per worker we expect (vLLM
 SECOND_LOOK_AFTER_S = 1.0      # a spinner must be spinning in two looks this far apart
 SPIN_FRACTION = 0.5           # a thread runnable in more than this share of looks while idle spins
 SPINNER_NICE = 10             # see the module docstring: READ latency vs the core share it takes
+
+
+_PR_SET_THP_DISABLE = 41  # linux/prctl.h
+
+
+def no_transparent_hugepages() -> bool:
+    """Transparent huge pages off for this process and every process it starts from now on
+    (module docstring, point 3); False where the kernel refuses or this is not Linux. Only
+    memory that asked for huge pages loses them (THP is ``madvise`` on the test machine:
+    numpy's large arrays, for one); the stacks' speed without them was not measured apart."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 @dataclass

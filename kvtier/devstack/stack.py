@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.devstack.placement import no_transparent_hugepages
 from kvtier.devstack.platform import is_cpu_platform
 from kvtier.devstack.spec import InstanceSpec, StackSpec
 from kvtier.ids import Role
@@ -93,6 +94,7 @@ class LocalStack:
 
     def start(self, attempts: int = 3) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        no_transparent_hugepages()  # kvtier.devstack.placement, point 3: no frozen processes
         unwind_on_sigterm()
         atexit.register(self.stop)
         for attempt in range(1, attempts + 1):

@@ -122,3 +122,22 @@ def test_many_busy_threads_are_left_alone():
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_transparent_hugepages_off_for_the_caller_and_what_it_starts() -> None:
+    """khugepaged must never scan the stack's processes (placement's point 3): off for the
+    caller and inherited by what it starts (PR_SET_THP_DISABLE survives fork and exec)."""
+    code = (
+        "import subprocess, sys\n"
+        "from kvtier.devstack.placement import no_transparent_hugepages\n"
+        "def thp(): return [l.split()[1] for l in open('/proc/self/status')"
+        " if l.startswith('THP_enabled')][0]\n"
+        "ok = no_transparent_hugepages()\n"
+        "child = subprocess.run([sys.executable, '-c', 'print([l.split()[1] for l in "
+        "open(\"/proc/self/status\") if l.startswith(\"THP_enabled\")][0])'],"
+        " capture_output=True, text=True).stdout.strip()\n"
+        "print(ok, thp(), child)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["True", "0", "0"], out
