@@ -39,7 +39,7 @@ from bench_router import store_call_means  # noqa: E402
 from bench_router_fleet import Fleet, free_port, spawn  # noqa: E402
 
 TARGET_ADDED_P50_MS = 0.5  # issue 31: Redis store <= +0.5 ms per named turn at p50
-BEGIN, END = "<!-- bench_store: begin -->", "<!-- bench_store: end -->"
+MARK = "<!-- {}: begin -->", "<!-- {}: end -->"  # the block --md replaces, by --section
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -179,10 +179,12 @@ def main() -> int:
     ap.add_argument("--tmp", default="/tmp/kvtier-bench-store")
     ap.add_argument("--report", default=None, metavar="JSON", help="print the table of a run")
     ap.add_argument("--md", default=None, metavar="FILE",
-                    help="with --report: replace the table between FILE's bench_store markers")
+                    help="with --report: replace the table between FILE's SECTION markers")
+    ap.add_argument("--section", default="bench_store",
+                    help="with --md: the marker name (<!-- SECTION: begin/end -->)")
     a = ap.parse_args()
     if a.report:
-        return report(json.loads(Path(a.report).read_text()), a.report, a.md)
+        return report(json.loads(Path(a.report).read_text()), a.report, a.md, a.section)
     ncpu = os.cpu_count() or 1
     rc = {int(x) for x in a.router_cpus.split(",")}
     others = ",".join(str(i) for i in range(ncpu) if i not in rc) or None
@@ -293,7 +295,7 @@ def summarize(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, A
     return out
 
 
-def report(res: dict[str, Any], path: str, md: str | None) -> int:
+def report(res: dict[str, Any], path: str, md: str | None, section: str = "bench_store") -> int:
     s = summarize(res["rounds"])  # from the raw rounds: the summary's figures and any added
     revs = sorted({n.split("@", 1)[1] for per in s.values() for n in per if "@" in n})
     # A run's ``--before HEAD`` (older runs kept the name) is the commit it started from.
@@ -336,6 +338,7 @@ def report(res: dict[str, Any], path: str, md: str | None) -> int:
     if md:
         f = Path(md)
         text = f.read_text()
+        BEGIN, END = (m.format(section) for m in MARK)
         if BEGIN not in text or END not in text:
             print(f"{md} has no {BEGIN} ... {END} block", file=sys.stderr)
             return 1
