@@ -222,30 +222,18 @@ class Router:
         entry: RetainedKV | None = None
         refusal: str | None = None
         store = self.store
-        implicit = self.cfg.implicit_sessions
-        found: ConversationId | None = None
-        looked = False  # the implicit lookup (find) already made
         if conv is not None:
-            if implicit and ids is not None and not isinstance(store, ConversationStore) \
-                    and store.ok:
-                # A remote store: the named take and the find its miss would need go out
-                # together (one round trip, pipelined; a hit ignores the find's answer).
-                (entry, expired), found = await asyncio.gather(
-                    store.atake(tenant, conv), store.afind(tenant, ids))
-                looked = True
-            else:
-                entry, expired = await store.atake(tenant, conv)
+            entry, expired = await store.atake(tenant, conv)
             self._looked_up(entry, expired, "named")
             if expired:
                 self.metrics.params_dropped.labels("expired").inc()
                 decision = ReuseDecision(Outcome.EXPIRED, None, 0)
                 refusal = Refusal.EXPIRED
-        if entry is None and implicit and store.ok and (looked or store.may_hold()):
+        if entry is None and self.cfg.implicit_sessions and store.ok and store.may_hold():
             # No (live) named entry: the conversation this prompt provably continues, if any.
-            if not looked:
-                if ids is None:
-                    ids = await self.prefill.tokenize(inb, headers)
-                found = await store.afind(tenant, ids) if ids is not None else None
+            if ids is None:
+                ids = await self.prefill.tokenize(inb, headers)
+            found = await store.afind(tenant, ids) if ids is not None else None
             if found is not None:
                 entry, expired = await store.atake(tenant, found)
                 self._looked_up(entry, expired, "implicit")

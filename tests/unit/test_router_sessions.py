@@ -239,8 +239,8 @@ def store_cfg(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 def test_a_named_turn_hits_its_own_entry_and_a_new_name_continues_by_content(
         store_cfg: dict[str, Any]) -> None:
-    """With a remote store the named take and the find go out together (router/flow.py): a
-    hit uses the take, a miss the find, as the memory store's sequence does."""
+    """A named turn takes its own entry; a name never seen finds the conversation its prompt
+    continues by content and takes that: the same with the memory and the Redis store."""
     for c, _, _ in make(**store_cfg):
         complete(c, PROMPT, conversation_id="x")
         assert reuse(complete(c, [*PROMPT, *GEN, 7], conversation_id="x")) == (
