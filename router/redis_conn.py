@@ -129,7 +129,6 @@ def _parse(buf: bytearray, i: int) -> tuple[Reply, int]:
 class _Protocol(asyncio.Protocol):
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.late_looks = 0  # deadlines found passed only because this loop was held up
         self.buf = bytearray()
         self.waiting: deque[tuple[asyncio.Future[Reply], asyncio.TimerHandle]] = deque()
         self.transport: asyncio.Transport | None = None
@@ -184,7 +183,6 @@ class _Protocol(asyncio.Protocol):
             # This process was held up past the deadline (its loop busy, or the process not
             # scheduled), not necessarily Redis: the reply may be in the socket unread, and
             # uvloop runs due timers before it polls its sockets. Look again after one poll.
-            self.late_looks += 1
             loop.call_later(_LAG_S, self._timed_out, fut, None)
             return
         self._fail(TimeoutError(f"redis did not answer within {self.timeout_s} s"))
