@@ -24,6 +24,12 @@ is in the settings:
   p10 0.8 s, median 13 s, p90 49 s, longest 136 s), so neither a fixed TTL nor "host only" is
   right for every conversation. Real seconds at time scale 1 (~3.5 min of trace); a CI-sized
   run uses `--time-scale 0.05`.
+- **gpu-8b-16k** (issue 29's GPU A/B): 1P1D on the one lent GPU, the 8B shape with dummy
+  weights, 3 conversations at once of 4 turns growing from ~4k to ~16k tokens of context,
+  tool waits of ~2 s; every instance's KV cache fixed at 8 GiB (`--kv-cache-memory-bytes`,
+  so both start at once) and the decode node's capped at 3,072 blocks (49k tokens at block
+  size 16) against 3 x 16k of live and retained context, so retained turns compete with
+  running decodes; eager mode (no CUDA graphs: starts in seconds, decode slower).
 - **gpu-h200-8b-short** (not a pressure regime): the short `kvtier ab` of the lent H200, two
   vLLM instances on its one GPU, the 8B shape with dummy weights, contexts of 4k-12k tokens
   (`benchmarks/gpu/device.sh` with `BENCH=ab`).
@@ -85,6 +91,26 @@ REGIMES: dict[str, tuple[SyntheticTraceConfig, RegimeSettings]] = {
             description="mixed waits: lognormal tool waits, median 6 s, sigma 1.8, cap 900 s "
                         "(seconds to minutes); use --time-scale 0.05 for a CI-sized run",
             max_model_len=4096, time_scale=1.0, slo_ttft_p90_s=5.0)),
+    # Issue 29's GPU A/B (benchmarks/gpu/device.sh BENCH=ab AB_TRACE=gpu-8b-16k).
+    "gpu-8b-16k": (
+        SyntheticTraceConfig(
+            name="gpu-8b-16k", conversations=3, turns=4,
+            first_prompt_tokens=LengthDist(mean=4096, spread=0.1),
+            tool_output_tokens=LengthDist(mean=4150, spread=0.1),
+            response_tokens=LengthDist(mean=64, spread=0.3),
+            wait=WaitDist(kind="lognormal", median_s=2.0, sigma=0.5, max_s=10.0),
+            concurrency=3, stagger_s=0.5, seed=22, max_context_tokens=18000),
+        RegimeSettings(
+            description="one GPU, 1P1D sharing it: the 8B shape with dummy weights, contexts "
+                        "of ~4k-16k tokens, decode KV capped at 3,072 blocks of 16 (49k "
+                        "tokens) against 3 conversations of up to 16k; every P/D move runs "
+                        "over the in-machine NIXL link (~0.5 GB/s VRAM->VRAM between "
+                        "processes, outside TTFT except D->P reads)",
+            max_model_len=20480, host_mib=16384, decode_ttl_s=60.0, time_scale=1.0,
+            decode_num_blocks=3072,
+            extra_args=("--load-format", "dummy", "--gpu-memory-utilization", "0.3",
+                        "--kv-cache-memory-bytes", "8589934592", "--enforce-eager"),
+            slo_ttft_p90_s=2.0)),
     # Not a pressure regime: the short GPU run of the H200 (benchmarks/gpu/device.sh BENCH=ab).
     # Two instances share the one GPU (40% of its memory each), the Llama-3.1-8B shape with
     # dummy weights (benchmarks/gpu/model), contexts of 4k-12k tokens.

@@ -20,10 +20,23 @@
 #   none: no server.
 # SKIP_TESTS=1 skips tests/gpu and bench_copy, SKIP_COPY=1 bench_copy only; SCATTER=1 runs
 # bench_scatter.py (the scattered-block store, graph gather vs per-layer kernels) before the server
-# step; BUDGET_S: the server step ends by T0 + it.
+# step; BUDGET_S: the server step ends by T0 + it (side: SIDE_S after it starts).
+# BENCH may name several steps, run in order: BENCH=side,ab.
+# DETACH=1: the whole script runs in the background (results in /root/gpu-run, its output in
+# /root/gpu-run/device.txt) and this call returns at once; then `bash benchmarks/gpu/poll.sh S`
+# calls (each waits up to S seconds) keep the machine held and bring the results back. Device
+# time is spent while the machine is held, not by the call's length, so one run may outlast
+# the 10-minute limit of a call.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ "${DETACH:-0}" = 1 ]; then
+  rm -rf /root/gpu-run && mkdir -p /root/gpu-run /root/chunks
+  for d in .gpu/c*; do [ -d "$d" ] && cp "$d"/* /root/chunks/; done
+  DETACH=2 OUT=/root/gpu-run setsid nohup bash "$0" > /root/gpu-run.log 2>&1 < /dev/null &
+  echo "detached: pid $! (results in /root/gpu-run; bash benchmarks/gpu/poll.sh SECONDS)"; exit 0
+fi
 R=$PWD; O=${OUT:-$R/gpu-out}; mkdir -p "$O"; T0=$(date +%s)
+trap 'touch "$O/.done"' EXIT
 exec > >(tee "$O/device.txt") 2>&1
 mkdir -p /root/chunks && for d in .gpu/c*; do [ -d "$d" ] && cp "$d"/* /root/chunks/; done
 unpack() {  # ARCHIVE DEST MARKER: join ARCHIVE's parts, check the sum, unpack into DEST
@@ -41,7 +54,8 @@ unpack moe /tmp/site /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so
 unpack nixl /tmp/nixlsite /tmp/nixlsite/nixl/__init__.py
 K=/tmp/kvt; rm -rf $K && mkdir -p $K
 cp -r kvtier $K/kvtier && cp -r connectors $K/kvtier/connectors && cp -r indexer $K/kvtier/indexer \
-  && cp -r router $K/kvtier/router && cp -r tests configs pyproject.toml $K/
+  && cp -r router $K/kvtier/router && cp -r tests configs pyproject.toml $K/ \
+  && mkdir -p $K/benchmarks/gpu && cp -r benchmarks/gpu/model $K/benchmarks/gpu/
 export PYTHONPATH=$K:/tmp/site:/tmp/nixlsite PYTHONUNBUFFERED=1
 echo "== t=$(( $(date +%s) - T0 )) $(python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())' 2>&1 | grep -v Warn | tail -1)"
 echo "nixl: $(python3 -c 'import nixl; from nixl._api import nixl_agent; print(nixl.__file__)' 2>&1 | tail -1)"
@@ -58,7 +72,8 @@ if [ "${SCATTER:-0}" = 1 ]; then
   echo "== t=$(( $(date +%s) - T0 )) bench_scatter"
   timeout 150 python3 benchmarks/gpu/bench_scatter.py --out "$O/bench_scatter.json" --reps 25
 fi
-case "${BENCH:-serve}" in
+bench() {
+case "$1" in
   itl) echo "== t=$(( $(date +%s) - T0 )) itl_bench"
        bash benchmarks/gpu/itl_bench.sh "$O" ${ITL_ARGS:-} ;;
   peer) if [ "${SKIP_NIXL:-0}" != 1 ]; then
@@ -70,9 +85,16 @@ case "${BENCH:-serve}" in
   multi) echo "== t=$(( $(date +%s) - T0 )) pd_bench"
          DEADLINE=$(( T0 + ${BUDGET_S:-540} )) bash benchmarks/gpu/pd_bench.sh "$O" "${LENGTHS:-2000,8000,16000}" "${PROBE_REPS:-2}" ;;
   ab) echo "== t=$(( $(date +%s) - T0 )) kvtier ab"
-      # The short A/B on the GPU stack: 1P1D, both instances on the one GPU (started one after
-      # the other), trace + settings from benchmarks/traces/gpu-h200-8b-short.jsonl. From a
-      # scratch folder: the checkout's kvtier/ (no connectors/) must not shadow /tmp/kvt.
+      # kvtier ab on the GPU stack: 1P1D, both instances on the one GPU, trace + settings from
+      # benchmarks/traces/$AB_TRACE.jsonl. From a scratch folder: the checkout's kvtier/ (no
+      # connectors/) must not shadow /tmp/kvt. A device-to-device copy first, the anchor of the
+      # D->P reads' bandwidth.
+      python3 -c 'import json,sys,torch
+x=torch.empty(1<<30,dtype=torch.uint8,device="cuda"); y=torch.empty_like(x); y.copy_(x)
+e=[torch.cuda.Event(enable_timing=True) for _ in range(2)]; t=[]
+for _ in range(9):
+  e[0].record(); y.copy_(x); e[1].record(); torch.cuda.synchronize(); t.append(e[0].elapsed_time(e[1]))
+t.sort(); json.dump({"bytes":1<<30,"median_ms":t[4],"gb_s":(1<<30)/t[4]/1e6,"ms":t,"device":torch.cuda.get_device_name()},open(sys.argv[1],"w"))' "$O/d2d_copy.json" && cat "$O/d2d_copy.json"; echo
       export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
       LEFT=$(( T0 + ${BUDGET_S:-570} - $(date +%s) )); W=$(mktemp -d)
       (cd "$W" && timeout -s TERM $(( LEFT > 30 ? LEFT : 30 )) python3 -m kvtier.cli ab \
@@ -80,12 +102,14 @@ case "${BENCH:-serve}" in
          --model "$R/benchmarks/gpu/model" --block-size 16 --no-progress \
          --strategies "${AB_STRATEGIES:-recompute,host-p2p}" --out "$O/ab" ${AB_ARGS:-})
       echo "== kvtier ab rc=$?"
-      for f in "$O"/ab/logs/*.log; do [ -f "$f" ] && { echo "--- $f"; grep -E "Error|error|Traceback|KV cache|ready" "$f" | tail -8; }; done ;;
+      for f in "$O"/ab/logs/*/*.log "$O"/ab/logs/*.log; do [ -f "$f" ] && { echo "--- $f"; grep -E "Error|error|Traceback|KV cache|ready" "$f" | tail -8; }; done ;;
   side) echo "== t=$(( $(date +%s) - T0 )) side_bench"
-        DEADLINE=$(( T0 + ${BUDGET_S:-560} )) bash benchmarks/gpu/side_bench.sh "$O" \
+        DEADLINE=$(( $(date +%s) + ${SIDE_S:-540} )) bash benchmarks/gpu/side_bench.sh "$O" \
           "${LENGTHS:-2000,8000,16000,32000}" "${PROBE_REPS:-5}" "${ITL_ROUNDS:-3}" ;;
   none) ;;
   *) echo "== t=$(( $(date +%s) - T0 )) serve_bench"
      bash benchmarks/gpu/serve_bench.sh "$O" "${LENGTHS:-3000,16000}" "${PROBE_REPS:-5}" ;;
 esac
+}
+B=${BENCH:-serve}; for b in ${B//,/ }; do bench "$b"; done
 echo "== t=$(( $(date +%s) - T0 )) end"

@@ -2,8 +2,10 @@
 # The side-by-side on one GPU (probe_side.py): three vLLM servers with the Llama-3.1-8B shape
 # (dummy weights), same flags, started together: BASE (no connector: recompute and the HBM
 # prefix-cache hit), KVT (KVTierConnector) and OFF (vLLM's OffloadingConnector, CPU tier,
-# offload_prompt_only false), each tier with HOST_BYTES of host memory (default 16 GiB). Started
-# one after the other, 0.3 of the GPU's memory each (KVTIER_GPU_MEM_UTIL); --max-num-seqs 16.
+# offload_prompt_only false), each tier with HOST_BYTES of host memory (default 16 GiB). All three
+# start at once: each has a fixed KV cache (KV_BYTES, default 7 GiB: 57k tokens; vLLM then skips
+# the memory profiling a neighbour's start would disturb) and its own compile cache;
+# --gpu-memory-utilization 0.3 (KVTIER_GPU_MEM_UTIL) is only vLLM's start-up check; --max-num-seqs 16.
 # usage: side_bench.sh OUTDIR [LENGTHS 2000,8000,16000,32000] [REPS 5] [ROUNDS 3]
 #        (python3 must import vllm and kvtier; DEADLINE: epoch by which the probe stops)
 set -u
@@ -21,7 +23,7 @@ KVT='{"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.con
 OFF='{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": '$HB', "offload_prompt_only": false}}'
 COMMON=(--model "$MODEL" --served-model-name m8b --load-format dummy --max-model-len 33024
         --gpu-memory-utilization ${KVTIER_GPU_MEM_UTIL:-0.3} --max-num-seqs 16 --host 127.0.0.1
-        --enable-prefix-caching)
+        --kv-cache-memory-bytes ${KV_BYTES:-7516192768} --enable-prefix-caching)
 echo "KVT: $KVT"; echo "OFF: $OFF"
 END=${DEADLINE:-$(( $(date +%s) + 480 ))}
 up() {  # PORT PID: wait until the server answers /health (or died, or END passed)
@@ -31,17 +33,18 @@ up() {  # PORT PID: wait until the server answers /health (or died, or END passe
   done; echo "port $1 NOT up"; return 1
 }
 T0=$(date +%s)
-# One after the other: vLLM's memory profiling of a starting instance must not see another's
-# allocations grow (docs/gpu.md), so each starts once the previous one serves.
-setsid nohup "$PY" -m vllm.entrypoints.openai.api_server "${COMMON[@]}" --port 8100 \
-  > "$OUTDIR/side-base.log" 2>&1 < /dev/null &
-B=$!; up 8100 $B
-KVTIER_METRICS_PORT=8201 KVTIER_POD_NAME=gpu0 setsid nohup "$PY" -m vllm.entrypoints.openai.api_server \
-  "${COMMON[@]}" --port 8101 --kv-transfer-config "$KVT" > "$OUTDIR/side-kvtier.log" 2>&1 < /dev/null &
-K=$!; up 8101 $K
-setsid nohup "$PY" -m vllm.entrypoints.openai.api_server "${COMMON[@]}" --port 8102 \
-  --kv-transfer-config "$OFF" > "$OUTDIR/side-offload.log" 2>&1 < /dev/null &
-F=$!; up 8102 $F
+# All at once (fixed KV cache sizes); each its own compile cache, so no two write one.
+VLLM_CACHE_ROOT=$WORK/cache-base setsid nohup "$PY" -m vllm.entrypoints.openai.api_server \
+  "${COMMON[@]}" --port 8100 > "$OUTDIR/side-base.log" 2>&1 < /dev/null &
+B=$!
+VLLM_CACHE_ROOT=$WORK/cache-kvt KVTIER_METRICS_PORT=8201 KVTIER_POD_NAME=gpu0 setsid nohup "$PY" \
+  -m vllm.entrypoints.openai.api_server "${COMMON[@]}" --port 8101 --kv-transfer-config "$KVT" \
+  > "$OUTDIR/side-kvtier.log" 2>&1 < /dev/null &
+K=$!
+VLLM_CACHE_ROOT=$WORK/cache-off setsid nohup "$PY" -m vllm.entrypoints.openai.api_server \
+  "${COMMON[@]}" --port 8102 --kv-transfer-config "$OFF" > "$OUTDIR/side-offload.log" 2>&1 < /dev/null &
+F=$!
+up 8100 $B; up 8101 $K; up 8102 $F
 "$PY" "$HERE/probe_side.py" http://127.0.0.1:8100 http://127.0.0.1:8101 http://127.0.0.1:8102 \
   "$END" "$OUTDIR/side.json" "$LENGTHS" "$REPS" "$ROUNDS" \
   2>&1 | tee "$OUTDIR/probe_side.txt"

@@ -26,6 +26,13 @@
                    also picks the reuse path per turn by cost (``kvtier.cost.decide``).
                    vLLM's ``decoder_kv_blocks_ttl`` stays the upper bound. The simulator
                    applies the same policy per conversation and turn.
+``vllm-offload``   the anchor on CUDA: vLLM's own CPU offloading (``OffloadingConnector``,
+                   ``offload_prompt_only: false``) on every instance beside unidirectional
+                   NixlConnector P->D, no kvtier component in the engines and no indexer.
+                   A prefill reuses only what its own CPU tier kept (vLLM 0.26 has no peer
+                   fetch: the decode node's copy of the response stays there). vLLM's
+                   OffloadingConnector refuses vLLM's CPU platform, so this strategy runs on
+                   a GPU only.
 =================  ===========================================================================
 
 Without leases (``leases=False``, e.g. a variant built with ``model_copy``) an adaptive
@@ -66,9 +73,13 @@ from kvtier.tier.params_feed import NixlKnobs, ParamsFeedConfig
 # threshold): vLLM's own and kvtier's subclass with decode leases.
 NIXL_CONNECTORS = ("NixlConnector", "KVTierNixlConnector")
 
-StrategyName = Literal["recompute", "device-ttl", "host-p2p", "tiered", "tiered-adaptive"]
+StrategyName = Literal["recompute", "device-ttl", "host-p2p", "tiered", "tiered-adaptive",
+                       "vllm-offload"]
+# The strategies every platform runs (the simulator's, the CPU A/B's); GPU_STRATEGY_NAMES adds
+# those that need vLLM's CUDA build.
 STRATEGY_NAMES: tuple[str, ...] = ("recompute", "device-ttl", "host-p2p", "tiered",
                                    "tiered-adaptive")
+GPU_STRATEGY_NAMES: tuple[str, ...] = ("vllm-offload",)
 
 # vLLM's NixlConnector defaults (docs/FACTS.md): 480 s decode TTL, 64-token recompute threshold.
 VLLM_DEFAULT_TTL_S = 480.0
@@ -110,6 +121,8 @@ class StrategySpec(BaseModel):
     device_retention: bool           # decode pins a turn's KV (bidirectional Nixl)
     decode_ttl_s: float | None = None  # decoder_kv_blocks_ttl when device_retention
     host_tier: bool = False          # KVTierConnector host tier (prompt + generated)
+    # vLLM's own OffloadingConnector CPU tier on every instance (GPU only; host_bytes sizes it)
+    vllm_offload: bool = False
     peer_fetch: bool = False         # prefill may pull from a peer host tier
     use_indexer: bool = False        # router asks the indexer (lookup + source)
     dp_reuse: bool = False           # router hands D's params to the next prefill
@@ -152,6 +165,9 @@ class StrategySpec(BaseModel):
             raise ValueError("the local stack runs at most 3 instances")
         if self.leases and not self.device_retention:
             raise ValueError(f"{self.name}: leases need device_retention")
+        if self.vllm_offload and self.host_tier:
+            raise ValueError(f"{self.name}: vLLM's CPU offloading and kvtier's host tier "
+                             "are alternatives, not one stack")
         return self
 
     # -- variants ---------------------------------------------------------------------------
@@ -240,8 +256,9 @@ class StrategySpec(BaseModel):
                                  horizon_s=self.retention_horizon_s)
 
     def with_host_bytes(self, host_bytes: int | None) -> StrategySpec:
-        """The same strategy with another host tier size (no-op without a host tier)."""
-        if not self.host_tier or host_bytes is None:
+        """The same strategy with another host tier size (no-op without a host tier: kvtier's
+        or vLLM's CPU offloading)."""
+        if not (self.host_tier or self.vllm_offload) or host_bytes is None:
             return self
         return self.model_copy(update={"host_bytes": int(host_bytes)})
 
@@ -250,16 +267,24 @@ class StrategySpec(BaseModel):
                                             "decode": decode})
 
     # -- what the live runner starts ------------------------------------------------------
-    def kv_transfer_config(self) -> dict:
+    def kv_transfer_config(self, nixl_buffer_device: str | None = None) -> dict:
         """The ``--kv-transfer-config`` of every instance, with this strategy's knobs set.
 
         The knobs go through the connectors' config types (``NixlKnobs``,
         ``ParamsFeedConfig``, ``HostTierConfig``), and each child's config is validated
-        whole, so a misspelt key fails here rather than in a serving engine."""
+        whole, so a misspelt key fails here rather than in a serving engine.
+        ``nixl_buffer_device``: NixlConnector's ``kv_buffer_device`` instead of the files'
+        (``cpu``); on CUDA the live runner passes ``cuda`` (a CPU buffer's D->P read never
+        answered on the lent GPU, ``benchmarks/gpu/pd_bench.sh``)."""
         children = [copy.deepcopy(load_config_file(n)) for n in self.kv_configs]
         for c in children:
             extra = c.setdefault("kv_connector_extra_config", {})
-            if c.get("kv_connector") in NIXL_CONNECTORS:
+            if c.get("kv_connector") in NIXL_CONNECTORS and nixl_buffer_device:
+                c["kv_buffer_device"] = nixl_buffer_device
+            if c.get("kv_connector") == "OffloadingConnector":
+                if self.host_bytes is not None:
+                    extra["cpu_bytes_to_use"] = int(self.host_bytes)
+            elif c.get("kv_connector") in NIXL_CONNECTORS:
                 retain = self.device_retention
                 _apply(extra, NixlKnobs(
                     bidirectional_kv_xfer=retain,
@@ -327,9 +352,10 @@ def _ttl_value(ttl: float | None) -> int:
 
 
 def builtin(name: str, decode_ttl_s: float | None = None) -> StrategySpec:
-    """One of the five named strategies; ``decode_ttl_s`` overrides the device TTL."""
-    if name not in STRATEGY_NAMES:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGY_NAMES)}")
+    """One of the named strategies; ``decode_ttl_s`` overrides the device TTL."""
+    if name not in _BUILTIN:
+        raise ValueError(f"unknown strategy {name!r}; known: "
+                         f"{', '.join(STRATEGY_NAMES + GPU_STRATEGY_NAMES)}")
     spec = _BUILTIN[name]
     return spec.with_ttl(decode_ttl_s) if decode_ttl_s is not None else spec
 
@@ -375,4 +401,11 @@ _BUILTIN: dict[str, StrategySpec] = {
         decode_ttl_s=VLLM_DEFAULT_TTL_S, dp_reuse=True, host_tier=True, peer_fetch=True,
         use_indexer=True, adaptive=True, leases=True, min_cached_token_delta=64,
         cost_learn=True, hold_pressure=True),
+    "vllm-offload": StrategySpec(
+        name="vllm-offload",
+        description="vLLM's own CPU offloading (OffloadingConnector, prompt and generated "
+                    "tokens) on every instance, NixlConnector P->D; no kvtier component in "
+                    "the engines (GPU only)",
+        kv_configs=("nixl-unidirectional", "vllm-offload-cpu"), device_retention=False,
+        vllm_offload=True),
 }

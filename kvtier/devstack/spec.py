@@ -182,11 +182,16 @@ class StackSpec(BaseModel):
     spinner_nice: int | None = Field(SPINNER_NICE, ge=0, le=19)
     # Start each instance once the one before it is ready. None: on CUDA only, where instances
     # share a GPU and vLLM sizes its KV cache from the memory free while it profiles, so a
-    # neighbour allocating meanwhile leaves it "No available memory for the cache blocks".
+    # neighbour allocating meanwhile leaves it "No available memory for the cache blocks";
+    # unless the KV cache has a fixed size (--kv-cache-memory-bytes: vLLM skips that
+    # profiling), when all start at once.
     one_at_a_time: bool | None = None
 
     def starts_one_at_a_time(self) -> bool:
-        return self.one_at_a_time if self.one_at_a_time is not None else not is_cpu_platform()
+        if self.one_at_a_time is not None:
+            return self.one_at_a_time
+        fixed_kv = any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in self.extra_args)
+        return not fixed_kv and not is_cpu_platform()
 
     def instances(self) -> list[InstanceSpec]:
         total = self.prefill + self.decode

@@ -137,6 +137,23 @@ def test_interrupt_in_a_later_repeat_keeps_ran_and_results_in_step():
     sw = run_sweep(parse_list("recompute,device-ttl"), TRACE, run_one, cost=COST, kvbpt=KVBPT,
                    block_size=32, time_scale=1.0, repeats=2)
     assert calls == ["recompute", "device-ttl", "device-ttl"]
-    assert sw.interrupted and sw.results == [] and sw.ran == []
-    assert sw.failed == {"device-ttl": "interrupted",
-                         "recompute": "interrupted after 1 of 2 repeats"}
+    # the round both completed is reported, the unfinished second left out for both alike
+    assert sw.interrupted and sw.repeats_done == 1 and sw.failed == {}
+    assert [r.strategy for r in sw.results] == [s.name for s in sw.ran] == \
+        ["recompute", "device-ttl"]
+
+
+def test_interrupt_before_every_strategy_ran_once_reports_none_partially():
+    calls: list[str] = []
+
+    def run_one(spec, trace):
+        calls.append(spec.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return simulate(trace, spec, FleetSpec(prefill=1, decode=1), COST, online_ttl=False)
+
+    sw = run_sweep(parse_list("recompute,device-ttl"), TRACE, run_one, cost=COST, kvbpt=KVBPT,
+                   block_size=32, time_scale=1.0, repeats=2)
+    assert sw.interrupted and sw.repeats_done == 0
+    assert [r.strategy for r in sw.results] == ["recompute"]
+    assert sw.failed == {"device-ttl": "interrupted"}

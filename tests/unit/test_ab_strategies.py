@@ -190,3 +190,49 @@ def test_cost_refit_goes_to_the_router_of_adaptive_lease_strategies_only():
     assert builtin("tiered-adaptive").with_cost_model(cm).router_settings()["cost_refit"] is False
     for name in ("host-p2p", "device-ttl", "recompute"):
         assert not builtin(name).with_cost_refit().cost_refit
+
+
+def test_vllm_offload_is_vllms_cpu_tier_beside_nixl_with_no_kvtier_component():
+    s = builtin("vllm-offload").with_host_bytes(1 << 30)
+    ch = children(s.kv_transfer_config())
+    assert list(ch) == ["NixlConnector", "OffloadingConnector"]
+    assert ch["NixlConnector"]["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
+    off = ch["OffloadingConnector"]
+    assert "kv_connector_module_path" not in off  # vLLM's own, nothing of kvtier's
+    assert off["kv_connector_extra_config"] == {"cpu_bytes_to_use": 1 << 30,
+                                                "offload_prompt_only": False}
+    assert not (s.host_tier or s.use_indexer or s.dp_reuse or s.device_retention)
+    settings = s.router_settings()
+    RouterConfig.model_validate({"decode": ["http://127.0.0.1:1"], **settings})
+    assert settings == builtin("recompute").router_settings()
+    assert "vllm-offload" in [x.name for x in parse_list("recompute,vllm-offload")]
+    with pytest.raises(ValueError, match="alternatives"):
+        StrategySpec(name="vllm-offload", kv_configs=("vllm-offload-cpu",),
+                     device_retention=False, vllm_offload=True, host_tier=True)
+
+
+def test_nixl_buffer_device_is_set_for_cuda_only_when_asked():
+    for name in ("recompute", "tiered-adaptive", "vllm-offload"):
+        spec = builtin(name)
+        nixl = next(c for c in children(spec.kv_transfer_config(nixl_buffer_device="cuda"))
+                    .values() if c["kv_connector"] in ("NixlConnector", "KVTierNixlConnector"))
+        assert nixl["kv_buffer_device"] == "cuda"
+        same = next(c for c in children(spec.kv_transfer_config()).values()
+                    if c["kv_connector"] in ("NixlConnector", "KVTierNixlConnector"))
+        assert same["kv_buffer_device"] == "cpu"
+
+
+def test_vllm_offload_is_refused_on_the_cpu_platform(monkeypatch):
+    from kvtier.devstack.platform import is_cpu_platform
+
+    is_cpu_platform.cache_clear()
+    try:
+        monkeypatch.setenv("KVTIER_DEVICE", "cpu")
+        with pytest.raises(ValueError, match="needs a GPU"):
+            stack_spec_for(builtin("vllm-offload"), "tiny")
+        is_cpu_platform.cache_clear()
+        monkeypatch.setenv("KVTIER_DEVICE", "cuda")
+        sspec = stack_spec_for(builtin("vllm-offload"), "tiny")
+        assert children(sspec.kv_transfer_config)["NixlConnector"]["kv_buffer_device"] == "cuda"
+    finally:
+        is_cpu_platform.cache_clear()

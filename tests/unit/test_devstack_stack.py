@@ -214,6 +214,10 @@ def test_one_at_a_time_is_the_default_on_cuda_only(monkeypatch):
         monkeypatch.setenv("KVTIER_DEVICE", "cuda")
         assert StackSpec(model="/m").starts_one_at_a_time()
         assert not StackSpec(model="/m", one_at_a_time=False).starts_one_at_a_time()
+        # a fixed KV cache size skips the profiling that a neighbour's start disturbs
+        for args in (("--kv-cache-memory-bytes", "8000000000"),
+                     ("--kv-cache-memory-bytes=8000000000",)):
+            assert not StackSpec(model="/m", extra_args=args).starts_one_at_a_time()
         spec_mod.is_cpu_platform.cache_clear()
         monkeypatch.setenv("KVTIER_DEVICE", "cpu")
         assert not StackSpec(model="/m").starts_one_at_a_time()

@@ -221,6 +221,8 @@ def run_ab(args: argparse.Namespace) -> int:
             meta["stack_shapes_differ"] = sorted(f"{p}P{d}D" for p, d in shapes)
     elif sw.adaptive:  # a running stack's router was configured by whoever deployed it
         meta["adaptive"] = sw.adaptive
+    if sw.interrupted and sw.repeats_done:
+        meta["repeats_completed"] = f"{sw.repeats_done} of {args.repeats} (interrupted)"
     if sw.failed:
         meta["failed_strategies"] = sw.failed
     if not sw.results:
@@ -337,12 +339,18 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
             raise ValueError(f"the running stacks differ in shape "
                              f"({', '.join(meta['stack_shapes_differ'])}): one simulated fleet "
                              f"cannot stand for all of them")
-        shared = fit_shared_host(results, kvbpt, block_size, decode_instances=decode)
+        offload = {s.name for s in specs_as_run if s.vllm_offload}
+        shared = fit_shared_host([r for r in results if r.strategy not in offload], kvbpt,
+                                 block_size, decode_instances=decode)
         fitted = shared.cost
         # live vLLM fixes the TTL at start; with decode leases the router re-chooses online
         fleet = sim_fleet(prefill, decode, block_size, decode_blocks,
                           decode_interference=shared.decode_interference)
-        simulated = simulate_all(wall_trace, specs_as_run, fleet, fitted, online_ttl=None)
+        # vLLM's own CPU offloading (vllm-offload) is not modelled by the simulator
+        sim_specs = [s for s in specs_as_run if s.name not in offload]
+        if offload:
+            meta["not_simulated"] = sorted(offload)
+        simulated = simulate_all(wall_trace, sim_specs, fleet, fitted, online_ttl=None)
         # Repeated live runs: compare every repeat with the (deterministic) simulation.
         reps = {r.strategy: int(r.meta.get("repeats", 1)) for r in results}
         simulated = [merge_repeats([s] * reps.get(s.strategy, 1)) for s in simulated]

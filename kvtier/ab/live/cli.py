@@ -38,7 +38,7 @@ from collections.abc import Callable
 from kvtier.ab.live.ab import DEFAULT_STRATEGIES, run_ab, run_ab_report
 from kvtier.ab.live.calibrate import run_calibrate
 from kvtier.ab.live.demo import DEMO_MODEL, DEMO_STRATEGIES, run_demo
-from kvtier.ab.strategies import STRATEGY_NAMES
+from kvtier.ab.strategies import GPU_STRATEGY_NAMES, STRATEGY_NAMES
 
 # This module only declares the commands' arguments (its docstring is `kvtier ab --help`'s
 # text); each command lives in its own module: `kvtier ab` and `kvtier ab-report` in
@@ -106,7 +106,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                               description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--strategies", default=None,
                    help=f"comma list of {', '.join(STRATEGY_NAMES)} "
-                        f"(default {DEFAULT_STRATEGIES})")
+                        f"(default {DEFAULT_STRATEGIES}); on a GPU also "
+                        f"{', '.join(GPU_STRATEGY_NAMES)}")
     p.add_argument("--stack", action="append", default=None, metavar="STRATEGY=ROUTER_URL",
                    help="a stack already running, labelled STRATEGY, reached through its "
                         "router (repeat for each; instead of starting local stacks)")

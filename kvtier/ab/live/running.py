@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.ab.live.probes import BLOCK_SECONDS, RETAINED, Endpoint
 from kvtier.ab.live.scrape import metric, page
-from kvtier.ab.strategies import STRATEGY_NAMES, StrategySpec
+from kvtier.ab.strategies import GPU_STRATEGY_NAMES, STRATEGY_NAMES, StrategySpec
 from kvtier.wire.reuse_headers import ReuseReport, parse_reuse_headers
 
 HOST_BYTES = "kvtier_tier_bytes_held"
@@ -88,9 +88,9 @@ def parse_stacks(values: Sequence[str]) -> dict[str, str]:
         name, url = name.strip(), url.strip().rstrip("/")
         if not eq or not name or not url:
             raise StackError(f"--stack {v!r}: expected STRATEGY=ROUTER_URL")
-        if name not in STRATEGY_NAMES:
+        if name not in STRATEGY_NAMES + GPU_STRATEGY_NAMES:
             raise StackError(f"--stack {v!r}: {name!r} is not a strategy "
-                             f"({', '.join(STRATEGY_NAMES)})")
+                             f"({', '.join(STRATEGY_NAMES + GPU_STRATEGY_NAMES)})")
         if name in out:
             raise StackError(f"--stack {v!r}: {name} is given twice")
         out[name] = _http_url(url, f"--stack {v!r}")

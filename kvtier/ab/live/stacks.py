@@ -25,6 +25,7 @@ from pydantic import Field
 from kvtier.ab.live.lock import e2e_lock
 from kvtier.ab.live.probes import lease_endpoint
 from kvtier.ab.strategies import StrategySpec
+from kvtier.devstack.platform import is_cpu_platform
 from kvtier.devstack.spec import InstanceSpec, StackSpec
 from kvtier.devstack.stack import LocalStack
 from kvtier.runtime import ServerThread
@@ -57,18 +58,26 @@ def stack_spec_for(strategy: StrategySpec, model: str, **kw: Any) -> StackSpec:
     (and a regime's per-role settings, ``role_args`` / ``role_env``, when given)."""
     extra = tuple(kw.pop("extra_args", ()))
     role_args, role_env = kw.pop("role_args", None), kw.pop("role_env", None)
+    on_cpu = is_cpu_platform()
+    if on_cpu and strategy.vllm_offload:
+        raise ValueError(f"{strategy.name}: vLLM's OffloadingConnector does not run on vLLM's "
+                         "CPU platform; this strategy needs a GPU (kvtier's own host tier is "
+                         "host-p2p)")
     if not strategy.prefix_caching:
         # StackSpec always passes --enable-prefix-caching (KV events need it);
         # argparse keeps the last of the pair.
         extra = (*extra, "--no-enable-prefix-caching")
     # Usage then reports cached_tokens per request: the prefill's reused tokens.
     extra = (*extra, "--enable-prompt-tokens-details")
+    # On CUDA, NIXL moves KV from device memory (a CPU buffer's D->P read never answered on
+    # the lent GPU: benchmarks/gpu/pd_bench.sh)
+    kv = strategy.kv_transfer_config(nixl_buffer_device=None if on_cpu else "cuda")
     if role_args or role_env:
         return RoleStackSpec(model=model, prefill=strategy.prefill, decode=strategy.decode,
-                             kv_transfer_config=strategy.kv_transfer_config(), extra_args=extra,
+                             kv_transfer_config=kv, extra_args=extra,
                              role_args=role_args or {}, role_env=role_env or {}, **kw)
     return StackSpec(model=model, prefill=strategy.prefill, decode=strategy.decode,
-                     kv_transfer_config=strategy.kv_transfer_config(), extra_args=extra, **kw)
+                     kv_transfer_config=kv, extra_args=extra, **kw)
 
 
 def router_instances(stack: LocalStack) -> list[dict[str, Any]]:

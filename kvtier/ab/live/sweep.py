@@ -37,6 +37,7 @@ class Sweep:
     failed: dict[str, str] = field(default_factory=dict)  # strategy -> why it has no results
     adaptive: dict[str, dict] = field(default_factory=dict)
     interrupted: bool = False
+    repeats_done: int = 0  # complete rounds reported (fewer than asked when interrupted)
 
 
 def configure_adaptive(s: StrategySpec, cost: CostModel | None, done: Sequence[RunResult],
@@ -79,7 +80,9 @@ def run_sweep(specs: Sequence[StrategySpec], trace: Trace, run_one: RunOne, *,
     merge each one's repeats
     (`kvtier.ab.records.merge_repeats`). An adaptive strategy is configured once, before its
     first run, and keeps that configuration in later repeats. A strategy that fails in any
-    repeat is dropped from the results (its other repeats would not be comparable)."""
+    repeat is dropped from the results (its other repeats would not be comparable). Interrupted
+    (Ctrl-C, SIGTERM: a time limit), the rounds every strategy completed are reported and the
+    unfinished one is left out (``repeats_done``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     sw = Sweep()
@@ -121,9 +124,18 @@ def run_sweep(specs: Sequence[StrategySpec], trace: Trace, run_one: RunOne, *,
                 sw.ran.append(s)
         if sw.interrupted:
             break
+    # Interrupted: every strategy that did not fail keeps the rounds all of them completed
+    # (an unfinished last round is left out for all alike, so the repeats stay paired).
+    alive = [s.name for s in specs
+             if sw.failed.get(s.name, "interrupted").startswith("interrupted")]
+    sw.repeats_done = min((len(runs.get(n, ())) for n in alive), default=0)
+    if sw.interrupted and sw.repeats_done > 0:
+        for n in alive:
+            runs[n] = runs[n][:sw.repeats_done]
+            sw.failed.pop(n, None)
     for s in specs:
         got = len(runs.get(s.name, ()))
-        if s.name not in sw.failed and 0 < got < repeats:
+        if s.name not in sw.failed and 0 < got < repeats and not sw.interrupted:
             sw.failed[s.name] = f"interrupted after {got} of {repeats} repeats"
     # `ran` and `results` stay index for index (the report simulates `ran`): every strategy
     # that finished all its repeats, in the order given.
