@@ -3,8 +3,8 @@
 A strategy's local stack (`kvtier.ab.live.runner.run_strategy`) is served through
 ``kvtier router --config FILE`` and, when the strategy uses it, ``kvtier indexer --config
 FILE``: not threads of the harness, whose conversation threads and sampler would share the
-router's interpreter (a fresh-clone demo logged router event-loop stalls of 1-2 s while the
-router's thread used no CPU: it waited for the GIL, and every TTFT it served waited too).
+router's interpreter and its GIL (a fresh-clone demo logged router event-loop stalls of 1-2 s
+while the router's thread used no CPU: it waited, and every TTFT it served waited too).
 
 - `router_config` / `indexer_config`: the config a strategy's run gives each (the files are
   written into the run's log directory, next to each process's log);
