@@ -221,7 +221,7 @@ class _Api:
         """The reply as the client gets it, timed and logged (a stream: when it ends)."""
         m = self.router.metrics
         stream_label = "true" if inb.stream else "false"
-        fields = self._served_fields(reply, inb, endpoint, rid, headers)
+        fields = self._served_fields(reply, inb, endpoint, rid, headers, t0)
         out_headers = {**_reuse_headers(reply.reuse), "x-request-id": rid}
         if after is not None:
             after(reply)
@@ -239,8 +239,9 @@ class _Api:
                             headers={"cache-control": "no-cache", **out_headers})
 
     def _served_fields(self, reply: Reply, inb: Inbound, endpoint: Endpoint, rid: str,
-                       headers: dict[str, str]) -> dict[str, object] | None:
-        """The ``served`` line's fields, taken when the answer starts; None: not logged."""
+                       headers: dict[str, str], t0: float) -> dict[str, object] | None:
+        """The ``served`` line's fields, taken when the answer starts; None: not logged.
+        ``prefill_ms``: from ``t0`` (the request came in) to its prefill leg's answer."""
         if not (self.cfg.log_requests and log.isEnabledFor(logging.INFO)):
             return None
         fields: dict[str, object] = {
@@ -248,6 +249,8 @@ class _Api:
             "endpoint": endpoint.value, "stream": inb.stream, **reply.log.fields(),
             "reuse_path": reply.reuse.path.value, "reuse_tokens": reply.reuse.tokens,
             "outcome": reply.reuse.outcome.value}
+        if reply.log.prefill_at is not None:
+            fields["prefill_ms"] = round((reply.log.prefill_at - t0) * 1e3, 2)
         client_rid = headers.get("x-request-id")
         if client_rid:
             fields["client_request_id"] = client_rid[:128]

@@ -119,6 +119,8 @@ class DecodeLeg:
                              ids: tuple[int, ...], resp: dict[str, object]) -> None:
         """Keep what a non-streamed decode answer says D retained (params and token ids)."""
         params = KVTransferParams.from_wire(resp.get("kv_transfer_params"))
+        if params is not None and params.nixl is not None and params.nixl.has_remote_blocks:
+            turn.log.retained_tokens = params.nixl.remote_num_tokens
         if turn.inb.endpoint is Endpoint.RESPONSES:
             gen = raw_message_tokens(resp.get("output_messages"))
         else:

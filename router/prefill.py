@@ -101,6 +101,7 @@ class PrefillLeg:
                                                 turn.headers, self.cfg.timeouts.prefill_s)
                 self.cost.prefill_leg(_prompt_tokens(ids, pre), path, tokens,
                                       time.monotonic() - sent)
+                turn.log.prefill_at = time.perf_counter()
             except EngineClientError:
                 if not run.policy.retry_refusal_without_reuse or (reuse is None
                                                                   and source is None):
@@ -135,6 +136,7 @@ class PrefillLeg:
             if reuse is not None:
                 self.metrics.reused_tokens.inc(turn.decision.reused_tokens)
             turn.log.prefill, turn.log.path = p_inst.name, path
+            turn.log.cached_tokens = _cached_tokens(pre)
             turn.report = ReuseReport(path, tokens, turn.report.outcome)
             if turn.ids is None and conv is not None:
                 turn.ids = _prompt_ids_of(inb.endpoint, pre)
@@ -191,3 +193,13 @@ def _prompt_tokens(ids: tuple[int, ...] | None, resp: dict[str, Any]) -> int:
     usage = resp.get("usage")
     n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     return n if isinstance(n, int) else 0
+
+
+def _cached_tokens(resp: dict[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an engine answer (the prompt tokens it
+    did not compute: prefix cache or loaded KV; vLLM says it with
+    ``--enable-prompt-tokens-details``), or None."""
+    usage = resp.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None

@@ -46,13 +46,22 @@ class TurnLog:
     direct: str | None = None        # why the request was served on one instance
     hold: Held | None = None         # how long the retained turn is held (decode leases)
     choice: PlanChoice | None = None  # the expected costs the reuse path was chosen by
+    # What the engines said, for a harness reading this line (``kvtier ab``): when the prefill
+    # leg answered (``perf_counter``; the app logs it as ``prefill_ms`` since the request
+    # came in), the prompt tokens the prefill did not compute (its usage's ``cached_tokens``)
+    # and the tokens a non-streamed decode answer said D retained (``remote_num_tokens``).
+    prefill_at: float | None = None
+    cached_tokens: int | None = None
+    retained_tokens: int | None = None
 
     def fields(self) -> dict[str, object]:
         """The line's ``extra`` fields (names as the A/B harness reads them)."""
         out: dict[str, object] = {"reuse": self.reuse}
         for name, value in (("session", self.session), ("refusal", self.refusal),
                             ("prefill", self.prefill), ("decode", self.decode),
-                            ("capture", self.capture), ("direct", self.direct)):
+                            ("capture", self.capture), ("direct", self.direct),
+                            ("prefill_cached_tokens", self.cached_tokens),
+                            ("retained_tokens", self.retained_tokens)):
             if value is not None:
                 out[name] = value
         if self.path is not None:

@@ -369,6 +369,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     slo = (meta.get("regime") or {}).get("slo_ttft_p90_s")
     if slo:
         lines += _slo_section(results, float(slo))
+    lines += _stalls_section(results)
     lines += _refusal_table(results)
     lines += _hold_section(results)
     if meta.get("adaptive"):
@@ -561,6 +562,50 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
     if plots:
         plot_all(results, out)
     return md
+
+
+def _stalls_section(results: Sequence[RunResult]) -> list[str]:
+    """Each run's router process and its event-loop stalls (``meta["router_stalls"]``,
+    ``meta["services"]``; one per repeat after ``merge_repeats``): "none" when there were
+    none. [] for runs that did not start their router (running stacks, older reports)."""
+    rows = []
+    for r in results:
+        stalls, services = r.meta.get("router_stalls"), r.meta.get("services")
+        if stalls is None:
+            continue
+        if isinstance(stalls, dict):
+            stalls, services = [stalls], [services]
+        for i, st in enumerate(stalls):
+            svc = services[i] if isinstance(services, list) and i < len(services) else None
+            router = (svc or {}).get("router") or {}
+            warnings = "; ".join((st or {}).get("warnings") or []) or "–"
+            rows.append(f"| {r.strategy} | {i + 1} | {router.get('pid', '?')} | "
+                        f"{stalls_text(st)} | {warnings} |")
+    if not rows:
+        return []
+    return ["## Router event-loop stalls", "",
+            "Each run's router is its own process (`kvtier router --config FILE`); a stall is "
+            "its event loop standing still for `loop_stall_warn_s` (1 s) or more, every turn "
+            "it served waiting meanwhile (`kvtier_router_event_loop_stall_seconds` at the end "
+            "of the run; the warning lines from its log).", "",
+            "| strategy | repeat | router pid | stalls | warnings |", "|---|---|---|---|---|",
+            *rows, ""]
+
+
+def stalls_text(st: dict[str, Any] | None) -> str:
+    """One run's ``router_stalls`` in words: "none" when there were none."""
+    if not st:
+        return "not recorded"
+    n = st.get("count")
+    if n is None:
+        seen = len(st.get("warnings") or [])
+        return (f"/metrics not readable; {seen} stall warning(s) in its log" if seen
+                else "/metrics not readable; none in its log")
+    if n == 0:
+        return "none"
+    longest = st.get("longest_s")
+    return (f"{n} stall(s), {st.get('total_s') or 0.0:.2f} s in all"
+            + (f", longest {longest:.2f} s" if longest is not None else ""))
 
 
 def _refit_section(results: Sequence[RunResult]) -> list[str]:

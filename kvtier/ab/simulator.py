@@ -23,8 +23,9 @@ of the two, `kvtier.ab.report.simulation_error`, is fair):
   or forgoing one); the head of the queue blocks those behind it, as in vLLM's scheduler.
   Admitted turns decode concurrently (batched, no interference) and hold their blocks for
   ``response_tokens × decode_s_per_token``. TTFT = arrival → the prefill leg's answer, as the
-  live runner measures it (its leg tap sees the prefill answer, not the decode stream); the
-  wait for decode room comes after it, is recorded in the turn's ``decode_wait_s`` and is part
+  live runner measures it (the router's log says when the prefill leg answered, not the
+  decode stream); the wait for decode room comes after it, is recorded in the turn's
+  ``decode_wait_s`` and is part
   of e2e = TTFT + wait + decode time. The first token a streaming client sees comes from the
   decode node, after that wait: ``ttft_s + decode_wait_s`` (what `kvtier.ab.sizing` holds to
   the SLO; the live runner cannot see the wait per turn, only in e2e and the engine's queue

@@ -9,6 +9,7 @@ router holding one conversation's turns on the device and releasing another's, o
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -77,6 +78,15 @@ def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
             f"{t!r}; the router's faults: {res.meta.get('router_faults')}"
     prompts = sorted(t.prompt_tokens for t in res.turns if t.turn == 2)
     assert prompts == [200 + 16 + 96 + 16 + 64] * 2
+    # The router (and the indexer) ran as processes of their own, as users deploy them; the
+    # router's event-loop stalls over the run were read from it.
+    svc = res.meta["services"]
+    assert svc["router"]["pid"] != os.getpid(), svc
+    assert "router --config" in svc["router"]["command"], svc
+    assert ("indexer" in svc) == spec.use_indexer, svc
+    if spec.use_indexer:
+        assert svc["indexer"]["pid"] not in (os.getpid(), svc["router"]["pid"]), svc
+    assert res.meta["router_stalls"]["count"] is not None, res.meta["router_stalls"]
     follow = res.follow_ups
     if name == "recompute":
         assert res.reuse_rate() == 0.0 and res.device_block_seconds() == 0.0
@@ -136,6 +146,7 @@ def test_report_from_real_runs(tmp_path):
     if "recompute" in by and "device-ttl" in by:
         assert by["device-ttl"]["computed_tokens"] < by["recompute"]["computed_tokens"]
     assert "e2e-short" in md.read_text()
+    assert "## Router event-loop stalls" in md.read_text()
 
 
 HOLD_HORIZON_S = 15.0

@@ -1,9 +1,13 @@
 """The live runner's probes without servers: engine metric deltas and peaks, the decode nodes'
-own retention metrics, the router's served log (kvtier.ab.live.probes)."""
+own retention metrics, the router's served log as a router process writes it
+(kvtier.ab.live.probes)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -11,8 +15,8 @@ from kvtier.ab.live.probes import (
     DecodeRetention,
     Endpoint,
     EngineProbe,
+    RouterLog,
     ServedTurn,
-    capture_served,
     kv_capacity_blocks,
     lease_endpoint,
     lease_metrics_offset,
@@ -22,6 +26,7 @@ from kvtier.ab.live.probes import (
 from kvtier.ab.records import RunResult, engine_summary
 from kvtier.ab.strategies import builtin
 from kvtier.configs import load_config_file
+from kvtier.router.cli import JsonFormatter
 
 
 def _engine_page(queue: tuple[float, float, float], itl_count: float, preempt: float,
@@ -162,26 +167,81 @@ def test_decode_retention_reads_the_nodes_own_count() -> None:
         assert not off.active and off.finish(c) != off.finish(c)  # NaN: keep the ledger
 
 
-def test_served_log_keeps_refusals_by_client_request_id(caplog) -> None:
+@contextlib.contextmanager
+def router_log(path: Path) -> Iterator[RouterLog]:
+    """The router's records as a router process writes them (``log_json``: its
+    ``JsonFormatter``, a line each) into ``path``, read back by a ``RouterLog``."""
+    h = logging.FileHandler(path)
+    h.setFormatter(JsonFormatter())
+    loggers = [logging.getLogger(n) for n in ("kvtier.router", "kvtier.watchdog")]
+    before = [(lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(h)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    try:
+        yield RouterLog(path)
+    finally:
+        for lg, (level, propagate) in zip(loggers, before, strict=True):
+            lg.removeHandler(h)
+            lg.setLevel(level)
+            lg.propagate = propagate
+        h.close()
+
+
+def test_served_log_keeps_refusals_by_client_request_id(caplog, tmp_path) -> None:
     lg = logging.getLogger("kvtier.router")
     before = (lg.level, lg.propagate)
-    with capture_served() as served:
+    with router_log(tmp_path / "router.log") as rl:
         lg.info("served", extra={"client_request_id": "r1", "refusal": "expired"})
         lg.info("served", extra={"client_request_id": "r2"})
         lg.info("something else", extra={"client_request_id": "r3", "refusal": "stale"})
+        lg.warning("a real warning")
         with caplog.at_level(logging.WARNING):
-            lg.warning("a real warning")
+            rl.read()
+        served = rl.served
         assert served.take("r1") == "expired" and served.take("r2") == ""
         assert served.take("r3") == "" and served.take("r1") == ""
     assert "a real warning" in caplog.text  # warnings still reach the console
     assert (lg.level, lg.propagate) == before
 
 
-def test_served_log_of_a_router_that_adopts_the_clients_id() -> None:
+def test_served_log_of_a_router_that_adopts_the_clients_id(tmp_path) -> None:
     lg = logging.getLogger("kvtier.router")
-    with capture_served() as served:
+    with router_log(tmp_path / "router.log") as rl:
         lg.info("served", extra={"request_id": "r9", "refusal": "unproven"})
-        assert served.take("r9") == "unproven"
+        assert rl.take_turn("r9").refusal == "unproven"
+
+
+def test_router_log_is_read_as_it_grows_and_keeps_the_stalls(tmp_path) -> None:
+    """A line is read once it is whole; the router's legs come with its served line; the
+    watchdog's stall lines are kept (the longest stall from them); a turn the router never
+    logged is an empty ServedTurn after the wait."""
+    path = tmp_path / "router.log"
+    rl = RouterLog(path)
+    rl.read()  # no file yet: nothing
+    with path.open("w") as f:
+        f.write('{"ts": 1, "level": "INFO", "logger": "kvtier.router", "msg": "served", '
+                '"client_request_id": "r1", "prefill": "prefill-0", "decode": "decode-0", '
+                '"ms": 80.5, "prefill_ms": 30.25, "prefill_cached_tokens": 64, '
+                '"retained_tokens": 415}\n')
+        f.write('not json: uvicorn or vLLM output\n')
+        f.write('{"ts": 2, "level": "WARNING", "logger": "kvtier.watchdog", "msg": "the router')
+        f.flush()
+        assert rl.take_turn("r1") == ServedTurn(prefill="prefill-0", decode="decode-0",
+                                                ms=80.5, prefill_ms=30.25, cached_tokens=64,
+                                                retained_tokens=415)
+        assert rl.stalls == []  # half a line
+        f.write("'s event loop stood still for 1.52 s, nothing it serves moved meanwhile; "
+                'its thread used 0.00 s of CPU in that time (it waited)"}\n')
+        f.write('{"ts": 3, "level": "WARNING", "logger": "kvtier.watchdog", "msg": '
+                '"the router\'s event loop has not turned for 1.2 s; its thread is at\\n  x"}\n')
+        f.write('{"ts": 4, "level": "WARNING", "logger": "kvtier.watchdog", "msg": '
+                '"the router\'s event loop stood still for 2.25 s, nothing it serves moved"}\n')
+    rl.read()
+    assert [s.split(" for ")[1][:6] for s in rl.stalls] == ["1.52 s", "2.25 s"]
+    assert rl.longest_stall_s == 2.25
+    assert rl.take_turn("never", wait_s=0.05) == ServedTurn()
 
 
 def test_lease_endpoint_of_a_decode_node() -> None:
@@ -197,10 +257,10 @@ def test_lease_endpoint_of_a_decode_node() -> None:
     assert lease_port_offset(fixed) is None and lease_endpoint(7000, None) is None
 
 
-def test_served_log_keeps_the_hold_choice_of_each_turn() -> None:
+def test_served_log_keeps_the_hold_choice_of_each_turn(tmp_path) -> None:
     lg = logging.getLogger("kvtier.router")
     ret = logging.getLogger("kvtier.router.retention")
-    with capture_served() as served:
+    with router_log(tmp_path / "router.log") as rl:
         # retention: adaptive logs its choice (and why) while the turn is served
         ret.info("hold", extra={"conversation_id": "c1", "pod": "decode-0", "hold_s": 0.0,
                                 "hold_basis": "fleet", "hold_samples": 1,
@@ -214,6 +274,8 @@ def test_served_log_keeps_the_hold_choice_of_each_turn() -> None:
                                  "refusal": "expired"})  # not retained under a lease
         lg.info("served", extra={"client_request_id": "r4", "hold_s": "bad",
                                  "hold_samples": True})
+        rl.read()
+        served = rl.served
         assert served.take_turn("r1") == ServedTurn("", 0.0, "fleet", 1,
                                                     "... -> no device retention")
         assert served.take_turn("r2") == ServedTurn("", 2.5, "conversation", 3, "")

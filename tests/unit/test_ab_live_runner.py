@@ -1,10 +1,10 @@
-"""The live runner's bookkeeping without servers (kvtier.ab.live.measure, .stacks, .runner):
-device ledger, per-turn records (reuse from the router's headers, timing and retention from the
-legs), the leg tap, transfer split."""
+"""The live runner's bookkeeping without servers (kvtier.ab.live.measure, .stacks, .runner,
+.services): device ledger, per-turn records (reuse from the router's headers, timing and
+retention from the legs), the legs from the router's served line, transfer split, the router's
+and the indexer's configs, the router's stalls."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from types import SimpleNamespace
 
@@ -14,11 +14,12 @@ import pytest
 from kvtier.ab.live.measure import (
     DeviceLedger,
     Leg,
-    LegTap,
     complete_turn,
+    logged_legs,
     split_transfer,
     turn_record,
 )
+from kvtier.ab.live.probes import ServedTurn
 from kvtier.ab.live.stacks import indexer_for, router_instances
 from kvtier.ab.records import TurnRecord
 from kvtier.ids import Outcome, ReusePath
@@ -38,18 +39,18 @@ def test_ledger_pins_until_read_or_ttl() -> None:
 
 
 def _pre(t1: float = 1.25) -> Leg:
-    return Leg("prefill-0", "prefill", 1.0, t1, True, {"remote_engine_id": "p"})
+    return Leg("prefill-0", "prefill", 1.0, t1, True)
 
 
-def _dec(kv_out: dict | None) -> Leg:
-    return Leg("decode-0", "decode", 1.25, 2.0, True, kv_out)
+def _dec(retained: int | None) -> Leg:
+    return Leg("decode-0", "decode", 1.25, 2.0, True, retained_tokens=retained)
 
 
 def test_record_takes_reuse_from_the_router_and_timing_from_the_legs() -> None:
     L = DeviceLedger(32, 100.0)
     L.retained("cid", 300, now=0.0)
     reuse = ReuseReport(ReusePath.DP_READ, 288, Outcome.TRIMMED)
-    dec = _dec({"remote_block_ids": [3], "remote_num_tokens": 415})
+    dec = _dec(415)  # D's answer: remote blocks, remote_num_tokens 415
     r = turn_record("device-ttl", "c0", 1, 0.9, 1.0, 2.0, [_pre(), dec], 400, [5] * 16, reuse, "",
                 L, "cid")
     assert (r.reuse_path, r.reused_tokens, r.computed_tokens) == ("dp_read", 288, 112)
@@ -62,7 +63,7 @@ def test_record_counts_what_the_engine_reused_over_what_the_router_planned() -> 
     # The router planned a 288-token D->P read; the engine says it computed all but 96
     # (a partial load): the record keeps the engine's count, and the router's path.
     reuse = ReuseReport(ReusePath.DP_READ, 288, Outcome.FULL)
-    pre = Leg("prefill-0", "prefill", 1.0, 1.25, True, None, cached_tokens=96)
+    pre = Leg("prefill-0", "prefill", 1.0, 1.25, True, cached_tokens=96)
     r = turn_record("device-ttl", "c0", 1, 0.0, 1.0, 2.0, [pre, _dec(None)], 400, [1], reuse, "",
                 DeviceLedger(32, 100.0), "cid")
     assert (r.reuse_path, r.reused_tokens, r.computed_tokens) == ("dp_read", 96, 304)
@@ -81,7 +82,7 @@ def test_record_without_reuse_read_keeps_the_ledger() -> None:
 def test_failed_turn_and_direct_fallback() -> None:
     L = DeviceLedger(32, 100.0)
     # no prefill leg (the router fell back to one instance): ttft = e2e
-    direct = Leg("decode-0", "direct", 0.0, 2.0, True, None)
+    direct = Leg("decode-0", "direct", 0.0, 2.0, True)
     d = turn_record("x", "c0", 1, 0.0, 0.0, 2.0, [direct], 10, [1],
                 ReuseReport(ReusePath.NONE, 0, Outcome.STALE), "", L, "z")
     assert d.ttft_s == d.e2e_s and d.reuse_path == "none" and d.outcome == "stale" and d.ok
@@ -124,40 +125,30 @@ def test_complete_without_the_headers_is_a_clear_error() -> None:
         complete_turn(c, "m", "cid", "rid-1", [1, 2, 3], 2)
 
 
-def test_leg_tap_records_roles_timing_and_the_decode_params() -> None:
-    def engine(request: httpx.Request) -> httpx.Response:
-        kvp = json.loads(request.content).get("kv_transfer_params")
-        out: dict = {"choices": [{"text": "x"}]}
-        if kvp is not None and not kvp.get("do_remote_decode"):
-            out["kv_transfer_params"] = {"remote_block_ids": [1], "remote_num_tokens": 40}
-        else:
-            out["usage"] = {"prompt_tokens_details": {"cached_tokens": 64}}
-        return httpx.Response(200, json=out)
-
-    tap = LegTap({"http://p:1": ("prefill-0", "prefill"), "http://d:2": ("decode-0", "decode")})
-    tap.inner = httpx.MockTransport(engine)  # type: ignore[assignment]
-
-    async def turn() -> list[httpx.Response]:
-        async with httpx.AsyncClient(transport=tap) as c:
-            h = {"x-request-id": "r"}
-            return [await c.post("http://p:1/v1/completions", headers=h,
-                                 json={"kv_transfer_params": {"do_remote_decode": True}}),
-                    await c.post("http://d:2/v1/completions", headers=h,
-                                 json={"kv_transfer_params": {"remote_block_ids": [9]}}),
-                    await c.post("http://d:2/v1/completions", json={}),  # untagged: not kept
-                    await c.post("http://d:2/v1/completions", headers={"x-request-id": "s"},
-                                 json={})]
-
-    answers = asyncio.run(turn())
-    assert [a.json()["choices"][0]["text"] for a in answers] == ["x"] * 4  # forwarded intact
-    legs = tap.take("r")
+def test_legs_from_the_routers_served_line() -> None:
+    """The router's line places its prefill leg on the client's clock by the answer's arrival
+    (ms - prefill_ms before it), keeps the engine's cached tokens and what D retained."""
+    st = ServedTurn(prefill="prefill-0", decode="decode-0", ms=800.0, prefill_ms=250.0,
+                    cached_tokens=64, retained_tokens=40)
+    legs = logged_legs(st, 10.0, 11.0)
     assert [(g.inst, g.role, g.ok) for g in legs] == [("prefill-0", "prefill", True),
                                                       ("decode-0", "decode", True)]
-    assert legs[0].kv_out is None and legs[1].kv_out == {"remote_block_ids": [1],
-                                                         "remote_num_tokens": 40}
+    assert legs[0].t1 == pytest.approx(11.0 - 0.55)  # the decode and the router's tail after
     assert (legs[0].cached_tokens, legs[1].cached_tokens) == (64, None)
-    assert all(g.t0 <= g.t1 for g in legs) and legs[0].t1 <= legs[1].t0
-    assert [g.role for g in tap.take("s")] == ["direct"] and tap.take("r") == []
+    assert (legs[0].retained_tokens, legs[1].retained_tokens) == (None, 40)
+    assert all(g.t0 <= g.t1 for g in legs)
+    L = DeviceLedger(32, 100.0)
+    r = turn_record("device-ttl", "c0", 1, 0.0, 10.0, 11.0, legs, 400, [1],
+                    ReuseReport(ReusePath.DP_READ, 288, Outcome.FULL), "", L, "cid")
+    assert r.ttft_s == pytest.approx(0.45) and r.reused_tokens == 64
+    assert L.blocks(0.0) == 2  # 40 tokens kept on D
+    # served on one instance: no prefill leg, ttft = e2e; a tail longer than the turn (clocks
+    # of two processes) never puts the prefill before the send
+    direct = logged_legs(ServedTurn(decode="decode-0", ms=5.0), 0.0, 1.0)
+    assert [g.role for g in direct] == ["direct"]
+    early = logged_legs(ServedTurn(prefill="p", decode="d", ms=3000.0, prefill_ms=1.0), 5.0, 6.0)
+    assert early[0].t1 == 5.0
+    assert logged_legs(ServedTurn(), 0.0, 1.0) == []  # no line: no legs
 
 
 def test_the_in_process_indexer_is_served_and_stopped() -> None:
@@ -225,3 +216,88 @@ def test_router_cost_reports_the_refits_and_the_model_in_use():
     assert got["deployed_s"] == {"prefill_fixed": 0.5, "prefill_per_token": 1e-4,
                                  "dp_read_setup": 0.01}
     assert rc.model is not None and got["final_s"]["prefill_fixed"] == rc.model.prefill_a_s < 0.5
+
+
+def _stack_with_tiers() -> SimpleNamespace:
+    def inst(name: str, base: int) -> SimpleNamespace:
+        return SimpleNamespace(spec=SimpleNamespace(
+            name=name, tier_events_port=base, tier_replay_port=base + 1, tier_p2p_port=base + 2))
+    return SimpleNamespace(instances=[inst("prefill-0", 7100), inst("decode-0", 7200)])
+
+
+def test_the_configs_a_run_gives_its_router_and_indexer_processes() -> None:
+    from kvtier.ab.live.services import indexer_config, router_config
+    from kvtier.ab.strategies import builtin
+    from kvtier.indexer.config import IndexerConfig
+    from kvtier.router.config import RouterConfig
+
+    icfg = IndexerConfig.model_validate(indexer_config(_stack_with_tiers(), "tiny", 32, 9301))
+    assert icfg.port == 9301 and icfg.default_model == "tiny" and icfg.block_size == 32
+    assert [(p.name, p.events, p.replay, p.p2p) for p in icfg.pods] == [
+        ("prefill-0", "tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101", "127.0.0.1:7102"),
+        ("decode-0", "tcp://127.0.0.1:7200", "tcp://127.0.0.1:7201", "127.0.0.1:7202")]
+    spec = builtin("device-ttl")
+    insts = router_instances(_fake_stack(spec.kv_transfer_config()))
+    raw = router_config(insts, "http://127.0.0.1:9301", "tiny", 32, 90.0, 9300,
+                        spec.router_settings())
+    cfg = RouterConfig.model_validate(json.loads(json.dumps(raw)))  # as the file says it
+    assert (cfg.port, cfg.indexer, cfg.indexer_model) == (9300, "http://127.0.0.1:9301", "tiny")
+    # JSON lines with the served line per turn: what the runner reads back
+    assert cfg.log_json and cfg.log_requests and cfg.stream_capture == "buffered"
+    assert cfg.timeouts.prefill_s == cfg.timeouts.decode_idle_s == 90.0
+    assert cfg.decode_kv_ttl_s == spec.router_settings()["decode_kv_ttl_s"]
+    none = RouterConfig.model_validate(router_config(insts, None, "tiny", 32, 90.0, 9300, {}))
+    assert none.indexer is None and none.indexer_model is None
+
+
+def test_a_service_is_its_own_process_stopped_on_exit(tmp_path) -> None:
+    """start_service runs `kvtier indexer --config FILE` as a child process (its config and
+    log in the run's directory), yields it once it answers, and stops it on exit."""
+    import os
+
+    from kvtier.ab.live.services import answers_healthz, free_port, start_service
+
+    port = free_port()
+    cfg = {"host": "127.0.0.1", "port": port, "pods": []}
+    with start_service("indexer", cfg, tmp_path, answers_healthz) as svc:
+        assert svc.proc.pid != os.getpid() and svc.proc.poll() is None
+        assert svc.url == f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{svc.url}/healthz", timeout=5).json()["status"] == "ok"
+        d = svc.describe()
+        assert d["pid"] == svc.proc.pid and d["command"].endswith(
+            f"indexer --config {tmp_path / 'indexer.json'}")
+        assert json.loads((tmp_path / "indexer.json").read_text()) == cfg
+    assert svc.proc.returncode is not None
+    assert (tmp_path / "indexer.log").exists()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{svc.url}/healthz", timeout=5)
+    # a repeat in the same directory keeps the first run's config and log
+    with start_service("indexer", {**cfg, "port": free_port()}, tmp_path,
+                       answers_healthz) as again:
+        assert again.config == tmp_path / "indexer-2.json"
+        assert again.log == tmp_path / "indexer-2.log"
+
+
+def test_a_service_that_exits_is_an_error_with_its_log(tmp_path) -> None:
+    from kvtier.ab.live.services import ServiceError, answers_healthz, start_service
+
+    bad = {"host": "127.0.0.1", "port": 1, "pods": [], "no_such_key": 1}
+    with pytest.raises(ServiceError, match="bad configuration"), \
+            start_service("indexer", bad, tmp_path, answers_healthz):
+        pass
+
+
+def test_router_stalls_from_its_metrics_and_log() -> None:
+    from kvtier.ab.live.services import router_stalls
+
+    page = ("# TYPE kvtier_router_event_loop_stall_seconds histogram\n"
+            'kvtier_router_event_loop_stall_seconds_bucket{le="1.0"} 0.0\n'
+            'kvtier_router_event_loop_stall_seconds_bucket{le="2.5"} 2.0\n'
+            'kvtier_router_event_loop_stall_seconds_bucket{le="+Inf"} 2.0\n'
+            "kvtier_router_event_loop_stall_seconds_count 2.0\n"
+            "kvtier_router_event_loop_stall_seconds_sum 3.5\n")
+    got = router_stalls(page, ["stood still for 1.25 s", "stood still for 2.25 s"], 2.25)
+    assert got == {"count": 2, "total_s": 3.5, "longest_s": 2.25,
+                   "warnings": ["stood still for 1.25 s", "stood still for 2.25 s"]}
+    assert router_stalls("", [], None)["count"] == 0  # no stall observed yet: none
+    assert router_stalls(None, [], None)["count"] is None  # /metrics not readable

@@ -213,3 +213,33 @@ def test_the_report_shows_each_repeats_cost_refit():
     assert "| tiered-adaptive | 1 | 2 | prefill_fixed 25 → 80 ms, dp_read_setup 10 → 70 ms |" in text
     assert "| tiered-adaptive | 2 | 3 |" in text
     assert _refit_section([RunResult("recompute", [], [], {})]) == []
+
+
+def test_the_report_shows_each_runs_router_process_and_its_stalls():
+    from kvtier.ab.records import merge_repeats
+    from kvtier.ab.report import _stalls_section, markdown, stalls_text
+
+    def run(name: str, pid: int, stalls: dict) -> RunResult:
+        services = {"router": {"pid": pid, "command": "kvtier router --config r.json"},
+                    "indexer": {"pid": pid + 1, "command": "kvtier indexer --config i.json"}}
+        return RunResult(name, [], [], {"router_stalls": stalls, "services": services,
+                                        "t_end": 1.0})
+
+    quiet = {"count": 0, "total_s": 0.0, "longest_s": None, "warnings": []}
+    stalled = {"count": 2, "total_s": 3.5, "longest_s": 2.25,
+               "warnings": ["the router's event loop stood still for 1.25 s",
+                            "the router's event loop stood still for 2.25 s"]}
+    merged = merge_repeats([run("tiered", 101, quiet), run("tiered", 202, stalled)])
+    assert [s["count"] for s in merged.meta["router_stalls"]] == [0, 2]
+    assert [s["router"]["pid"] for s in merged.meta["services"]] == [101, 202]
+    text = "\n".join(_stalls_section([merged, run("recompute", 303, quiet)]))
+    assert "## Router event-loop stalls" in text
+    assert "| tiered | 1 | 101 | none | – |" in text
+    assert ("| tiered | 2 | 202 | 2 stall(s), 3.50 s in all, longest 2.25 s | "
+            "the router's event loop stood still for 1.25 s; "
+            "the router's event loop stood still for 2.25 s |") in text
+    assert "| recompute | 1 | 303 | none | – |" in text
+    assert stalls_text({"count": None, "warnings": []}) == "/metrics not readable; none in its log"
+    assert _stalls_section([RunResult("recompute", [], [], {})]) == []  # a running stack's
+    md = markdown([run("recompute", 303, quiet)], {"trace": "t"}, plots=False)
+    assert "| recompute | 1 | 303 | none | – |" in md

@@ -196,6 +196,28 @@ def test_each_answer_logs_path_tokens_and_refusal(caplog: pytest.LogCaptureFixtu
         assert (rec.outcome, rec.refusal) == ("expired", "expired")
 
 
+def test_the_served_line_says_when_the_prefill_answered_and_what_d_kept(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """What ``kvtier ab`` reads from a router process's log (its legs are not visible there):
+    ``prefill_ms`` within ``ms``, the prefill's ``cached_tokens`` when the engine says it, and
+    the tokens a non-streamed decode answer retained."""
+    from kvtier.router.prefill import _cached_tokens
+
+    caplog.set_level("INFO", logger="kvtier.router")
+    for c, _, _ in make():
+        complete(c, PROMPT, conversation_id="a")
+        rec = _served(caplog)
+        assert 0 < rec.prefill_ms <= rec.ms
+        assert rec.retained_tokens == len(PROMPT) + len(GEN) - 1  # D's remote_num_tokens
+        assert not hasattr(rec, "prefill_cached_tokens")  # the fake engine does not say
+        complete(c, [1, 2, 3], conversation_id="b", stream=True)  # buffered: D still says
+        assert _served(caplog).retained_tokens == 3 + len(GEN) - 1
+    usage = {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 96}}}
+    assert _cached_tokens(usage) == 96
+    assert _cached_tokens({"usage": {"prompt_tokens_details": None}}) is None
+    assert _cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": True}}}) is None
+
+
 def test_only_a_continuation_is_found() -> None:
     s = ConversationStore(10, 1 << 20, block_size=4)
     system = list(range(100, 108))

@@ -1,34 +1,34 @@
-"""How the live runner measures one turn (`kvtier.ab.live.runner`): the router's transport tap,
-the ledger of what decode nodes pin, and the turn's record.
+"""How the live runner measures one turn (`kvtier.ab.live.runner`): the router's legs as its
+log tells them, the ledger of what decode nodes pin, and the turn's record.
 
-- `LegTap` is the router's transport: it forwards everything and records each upstream
-  completion leg (`Leg`) by the turn's ``x-request-id``: when the engine answered, how many
-  prompt tokens it did not compute, and the answer's ``kv_transfer_params``.
-- `DeviceLedger`: what decode nodes pin between turns, from the decode legs'
-  ``kv_transfer_params`` (``remote_num_tokens`` kept for ``decoder_kv_blocks_ttl``, freed when a
-  prefill reads it or at the TTL).
-- `complete_turn` sends one turn through the router (a running stack's router, whose legs are
-  not seen, gets it streamed: ``kvtier.ab.live.running.stream_turn``); `turn_record` makes its
-  `TurnRecord` from the router's reuse headers and the legs; `split_transfer` shares the run's measured
-  transfer time over the turns that read KV.
+- `logged_legs`: a turn's upstream completion legs (`Leg`) from the router process's
+  ``served`` line (``kvtier.ab.live.probes.RouterLog``): when the prefill leg answered (the
+  router's ``prefill_ms`` and ``ms``, placed on this process's clock by the answer's arrival),
+  how many prompt tokens the prefill engine did not compute (its ``cached_tokens``) and how
+  many tokens the decode node said it kept (its answer's ``remote_num_tokens``).
+- `DeviceLedger`: what decode nodes pin between turns, from what the decode legs kept
+  (``remote_num_tokens`` kept for ``decoder_kv_blocks_ttl``, freed when a prefill reads it or
+  at the TTL).
+- `complete_turn` sends one turn through the router, whole (a running stack's router, whose
+  log is its own, gets it streamed: ``kvtier.ab.live.running.stream_turn``); `turn_record`
+  makes its `TurnRecord` from the router's reuse headers and the legs; `split_transfer`
+  shares the run's measured transfer time over the turns that read KV.
 
-Threading model: `LegTap` and `DeviceLedger` are called from the router's event loop and the
-conversation threads at once; each guards its state with its own lock. The functions are pure
-apart from the ledger they are handed.
+Threading model: `DeviceLedger` is called from the conversation threads and the sampler at
+once; it guards its state with its own lock. The functions are pure apart from the ledger
+they are handed.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
+from kvtier.ab.live.probes import ServedTurn
 from kvtier.ab.records import TurnRecord
 from kvtier.ids import Outcome, ReusePath
 from kvtier.wire.reuse_headers import ReuseReport, parse_reuse_headers
@@ -36,73 +36,36 @@ from kvtier.wire.reuse_headers import ReuseReport, parse_reuse_headers
 
 @dataclass
 class Leg:
-    """One upstream completion leg of a turn, as the router's transport saw it."""
+    """One upstream completion leg of a turn, as the router's ``served`` line tells it."""
 
     inst: str
     role: str                 # "prefill" | "decode" | "direct"
     t0: float
-    t1: float                 # perf_counter when the engine's answer was read in full
-    ok: bool                  # 200 with a JSON body
-    kv_out: dict | None       # the answer's kv_transfer_params
+    t1: float                 # perf_counter here at which the engine's answer was in
+    ok: bool
     # usage.prompt_tokens_details.cached_tokens: the prompt tokens the engine did not compute
     # (prefix cache or loaded KV), as vLLM counted them; None when it did not say
     cached_tokens: int | None = None
+    # what a decode node said it keeps for the next turn (its answer's remote_num_tokens,
+    # with remote blocks); None: nothing
+    retained_tokens: int | None = None
 
 
-class LegTap(httpx.AsyncBaseTransport):
-    """Router transport that forwards everything and records completion legs by request id.
-
-    Only what the router's reuse headers cannot tell: when the prefill leg answered (TTFT), how
-    many prompt tokens the engine actually did not compute (its ``cached_tokens``: the router's
-    header says what it planned, a failed or partial load makes the engine compute more) and
-    what the decode node kept (the decode answer's ``kv_transfer_params``, which the router
-    strips from its own answer)."""
-
-    def __init__(self, roles: Mapping[str, tuple[str, str]]) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
-        self.roles = roles  # url -> (instance name, role)
-        self.legs: dict[str, list[Leg]] = {}
-        self._lock = threading.Lock()
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        rid = request.headers.get("x-request-id")
-        if rid is None or request.method != "POST" or not request.url.path.endswith("completions"):
-            return await self.inner.handle_async_request(request)
-        body = json.loads(await request.aread() or b"{}")
-        t0 = time.perf_counter()
-        resp = await self.inner.handle_async_request(request)
-        raw = await resp.aread()
-        t1 = time.perf_counter()
-        try:
-            out = json.loads(raw) if resp.status_code == 200 else None
-        except ValueError:
-            out = None
-        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        name, _ = self.roles.get(base, (base, "?"))
-        # The leg's role from what the router asked for, not the instance's configured role:
-        # a direct fallback may land on a prefill instance.
-        kvp: dict[str, Any] | None = body.get("kv_transfer_params")
-        if kvp is None:
-            role = "direct"
-        else:
-            role = "prefill" if kvp.get("do_remote_decode") else "decode"
-        ok = isinstance(out, dict)
-        kv_out = out.get("kv_transfer_params") if isinstance(out, dict) else None
-        leg = Leg(name, role, t0, t1, ok, kv_out if isinstance(kv_out, dict) else None,
-                  _cached_tokens(out))
-        with self._lock:
-            self.legs.setdefault(rid, []).append(leg)
-        headers = [(k, v) for k, v in resp.headers.raw
-                   if k.lower() not in (b"content-length", b"transfer-encoding")]
-        return httpx.Response(resp.status_code, headers=headers, content=raw,
-                              extensions=resp.extensions)
-
-    def take(self, rid: str) -> list[Leg]:
-        with self._lock:
-            return self.legs.pop(rid, [])
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+def logged_legs(st: ServedTurn, t0: float, t1: float) -> list[Leg]:
+    """A turn's legs from the router's ``served`` line (``st``), on this process's clock:
+    the client sent at ``t0`` and had the answer at ``t1``. The prefill leg answered the
+    router's tail before the answer (``ms - prefill_ms``: the decode leg and the router's own
+    work after it), so the router's clock never has to agree with this one. No prefill leg in
+    the line (a turn served on one instance, or a line not found): none here."""
+    legs = []
+    if st.prefill and st.prefill_ms is not None and st.ms is not None:
+        tail_s = max(0.0, st.ms - st.prefill_ms) / 1e3
+        legs.append(Leg(st.prefill, "prefill", t0, max(t0, t1 - tail_s), True,
+                        st.cached_tokens))
+    if st.decode:
+        legs.append(Leg(st.decode, "decode" if st.prefill else "direct", t0, t1, True,
+                        retained_tokens=st.retained_tokens))
+    return legs
 
 
 class DeviceLedger:
@@ -154,7 +117,7 @@ def turn_record(strategy: str, conv_id: str, i: int, t_start: float, t0: float, 
             first_token: float | None = None) -> TurnRecord:
     """One turn's record: reuse from the router's headers (``reuse``; None when the turn
     failed), TTFT and what the decode node kept from the legs. Without a prefill leg (a
-    running stack's router, whose legs are not seen) TTFT is ``first_token`` (the
+    running stack's router, whose log is its own) TTFT is ``first_token`` (the
     ``perf_counter`` at the first streamed token) minus ``t0``, else the whole turn; without
     a ``ledger`` nothing is counted as retained."""
     path, reused, outcome = ((reuse.path, reuse.tokens, reuse.outcome) if reuse is not None
@@ -169,25 +132,13 @@ def turn_record(strategy: str, conv_id: str, i: int, t_start: float, t0: float, 
         ttft = (first_token if first_token is not None else t1) - t0
     if ledger is not None and path is ReusePath.DP_READ:
         ledger.read(cid)
-    if ledger is not None and dec is not None and dec.role == "decode":
-        kvp = dec.kv_out or {}
-        n = kvp.get("remote_num_tokens")
-        if kvp.get("remote_block_ids") and isinstance(n, int):
-            ledger.retained(cid, n, time.perf_counter())
+    if ledger is not None and dec is not None and dec.role == "decode" \
+            and dec.retained_tokens is not None:
+        ledger.retained(cid, dec.retained_tokens, time.perf_counter())
     # The enum members themselves: they are str, equal to (and serialized as) their values.
     return TurnRecord(strategy, conv_id, i, prompt, reused, path, max(0, prompt - reused),
                       ttft, t1 - t0, 0.0, t_start, outcome,
                       len(gen) if gen is not None else 0, gen is not None, err)
-
-
-def _cached_tokens(answer: object) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of an engine answer, if it has one."""
-    if not isinstance(answer, dict):
-        return None
-    usage = answer.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    n = details.get("cached_tokens") if isinstance(details, dict) else None
-    return n if isinstance(n, int) and n >= 0 else None
 
 
 def split_transfer(records: list[TurnRecord], total_s: float) -> None:

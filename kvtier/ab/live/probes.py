@@ -1,5 +1,5 @@
 """What the live runner reads besides the router's answers: the engines' own metrics, the decode
-nodes' own retention metrics, and the router's per-request log.
+nodes' own retention metrics, and the router process's per-request log.
 
 - ``EngineProbe``: each vLLM instance's ``/metrics`` at the start and the end of a strategy's
   run (deltas, summed per role: the queue-time histogram ``vllm:request_queue_time_seconds``,
@@ -18,30 +18,35 @@ nodes' own retention metrics, and the router's per-request log.
   (NIXL side channel + ``lease_port_offset`` + 1 = side channel + 1002 with that file).
   ``lease_metrics_urls`` finds them from the strategy's ``--kv-transfer-config``; none found,
   the runner keeps its ledger estimate and the report says which one it used.
-- ``ServedLog`` / ``capture_served``: the router's ``served`` log line per request (INFO on
-  logger ``kvtier.router``), kept by the client's ``x-request-id`` (its ``client_request_id``
-  field, or ``request_id`` from a router that adopts the client's id), for the ``refusal`` field
-  (why retained device KV was not read) and, with decode leases, the hold the router chose for
-  the turn (``hold_s``, ``hold_basis``, ``hold_samples``; with ``retention: adaptive`` the
-  explanation from its ``hold`` line on ``kvtier.router.retention``): a ``ServedTurn``.
+- ``RouterLog`` / ``ServedLog``: the router process's JSON log file, read as it grows; its
+  ``served`` line per request (INFO on logger ``kvtier.router``), kept by the client's
+  ``x-request-id`` (its ``client_request_id`` field, or ``request_id`` from a router that
+  adopts the client's id): the router's legs (the prefill instance, when its leg answered
+  and the engine's ``cached_tokens``; what the decode node said it retained), the
+  ``refusal`` field (why retained device KV was not read) and, with decode leases, the hold
+  the router chose for the turn (``hold_s``, ``hold_basis``, ``hold_samples``; with
+  ``retention: adaptive`` the explanation from its ``hold`` line on
+  ``kvtier.router.retention``): a ``ServedTurn``. The watchdog's stall lines are kept too.
 - ``lease_endpoint``: a decode node's lease server (side channel + ``lease_port_offset``),
   which the runner gives the router as the instance's ``lease``.
 
 Threading model: ``EngineProbe.start``/``finish`` and ``DecodeRetention.start``/``finish`` run
 on the runner's thread before the sampler thread starts and after it was joined; ``sample``
-runs only on the sampler thread. ``ServedLog.emit`` runs on the router's server thread and
-``take`` on conversation threads: one lock.
+runs only on the sampler thread. ``RouterLog.read`` and ``take_turn`` run on conversation
+threads and the runner's thread: one lock around the file's reading, one in ``ServedLog``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
 import math
 import re
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -245,6 +250,16 @@ class ServedTurn:
     hold_basis: str = ""
     hold_samples: int = 0
     hold_why: str = ""
+    # The router's legs, from the same line: the prefill instance ("" when the turn was served
+    # on one instance) and the one that answered; ``ms`` from the request's arrival to the
+    # answer, ``prefill_ms`` to the prefill leg's answer; the prompt tokens the prefill engine
+    # did not compute (its ``cached_tokens``) and the tokens a decode node said it retained.
+    prefill: str = ""
+    decode: str = ""
+    ms: float | None = None
+    prefill_ms: float | None = None
+    cached_tokens: int | None = None
+    retained_tokens: int | None = None
 
 
 HOLD_LOGGER = "kvtier.router.retention"
@@ -281,10 +296,14 @@ class ServedLog(logging.Handler):
         elif record.levelno >= logging.WARNING:
             logging.getLogger().handle(record)  # what the runner's console would have shown
 
+    def pop(self, rid: str) -> ServedTurn | None:
+        """The request's ``ServedTurn``, None when the router logged none (yet)."""
+        with self._guard:
+            return self._by_rid.pop(rid, None)
+
     def take_turn(self, rid: str) -> ServedTurn:
         """The request's ``ServedTurn`` (an empty one when the router logged none)."""
-        with self._guard:
-            return self._by_rid.pop(rid, None) or ServedTurn()
+        return self.pop(rid) or ServedTurn()
 
     def take(self, rid: str) -> str:
         """The request's ``refusal`` only."""
@@ -296,29 +315,98 @@ def served_turn(record: logging.LogRecord, why: str = "") -> ServedTurn:
     raw = getattr(record, "hold_s", None)
     hold = (float(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool)
             and math.isfinite(raw) else None)
-    samples = getattr(record, "hold_samples", 0)
+    samples = _count(getattr(record, "hold_samples", 0))
     return ServedTurn(
         refusal=str(getattr(record, "refusal", "") or ""),
         hold_s=hold,
         hold_basis=str(getattr(record, "hold_basis", "") or ""),
-        hold_samples=samples if isinstance(samples, int) and not isinstance(samples, bool)
-        else 0,
-        hold_why=why if hold is not None else "")  # a hold line belongs to a retained turn
+        hold_samples=samples or 0,
+        hold_why=why if hold is not None else "",  # a hold line belongs to a retained turn
+        prefill=str(getattr(record, "prefill", "") or ""),
+        decode=str(getattr(record, "decode", "") or ""),
+        ms=_seconds(getattr(record, "ms", None)),
+        prefill_ms=_seconds(getattr(record, "prefill_ms", None)),
+        cached_tokens=_count(getattr(record, "prefill_cached_tokens", None)),
+        retained_tokens=_count(getattr(record, "retained_tokens", None)))
 
 
-@contextlib.contextmanager
-def capture_served(logger_name: str = "kvtier.router") -> Iterator[ServedLog]:
-    """Route the router's INFO records to a ``ServedLog`` (and only its WARNING+ on to the
-    root handlers) for the duration; restore the logger after."""
-    lg = logging.getLogger(logger_name)
-    level, propagate = lg.level, lg.propagate
-    h = ServedLog()
-    lg.addHandler(h)
-    lg.setLevel(logging.INFO)
-    lg.propagate = False
-    try:
-        yield h
-    finally:
-        lg.removeHandler(h)
-        lg.setLevel(level)
-        lg.propagate = propagate
+def _seconds(v: object) -> float | None:
+    """A finite number of a log line (None: missing or malformed)."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return float(v) if ok else None  # type: ignore[arg-type]
+
+
+def _count(v: object) -> int | None:
+    """A count of a log line: an int >= 0 (None: missing or malformed)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+_STALL = re.compile(r"event loop stood still for ([0-9.]+) s")
+_LEVELS = logging.getLevelNamesMapping()
+
+
+class RouterLog:
+    """A router process's log file (``log_json``: one JSON object a line; its stderr), read
+    as it grows: each ``served`` line (and ``hold`` line) goes to a `ServedLog`, its
+    watchdog's stall lines are kept (``stalls``: first line of each; ``longest_stall_s``),
+    and its other warnings are passed on to this process's handlers (the console).
+
+    ``take_turn`` reads what the router has written so far; a non-streamed answer's line is
+    written before the answer is sent, so it is there when the client has the answer
+    (``wait_s`` covers a slow write)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.served = ServedLog()
+        self.stalls: list[str] = []
+        self.longest_stall_s: float | None = None
+        self._pos = 0
+        self._partial = b""
+        self._guard = threading.Lock()
+
+    def read(self) -> None:
+        """Take in every complete line written since the last read."""
+        with self._guard:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self._pos)
+                    data = f.read()
+            except OSError:
+                return
+            self._pos += len(data)
+            *lines, self._partial = (self._partial + data).split(b"\n")
+            for raw in lines:
+                self._line(raw)
+
+    def _line(self, raw: bytes) -> None:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return  # not a log record (uvicorn's or vLLM's own output)
+        if not isinstance(doc, dict) or not isinstance(doc.get("msg"), str):
+            return
+        fields = {k: v for k, v in doc.items() if k not in ("ts", "level", "logger", "msg")}
+        level = _LEVELS.get(str(doc.get("level")), logging.INFO)
+        record = logging.makeLogRecord({**fields, "name": str(doc.get("logger", "")),
+                                        "msg": doc["msg"], "levelno": level,
+                                        "levelname": logging.getLevelName(level)})
+        if record.name == "kvtier.watchdog":
+            m = _STALL.search(doc["msg"])
+            if m is not None:
+                self.stalls.append(doc["msg"].splitlines()[0][:300])
+                late = float(m.group(1))
+                self.longest_stall_s = max(self.longest_stall_s or 0.0, late)
+        self.served.emit(record)
+
+    def take_turn(self, rid: str, wait_s: float = 2.0) -> ServedTurn:
+        """The request's ``ServedTurn`` (an empty one when the router logged none in
+        ``wait_s``)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.read()
+            st = self.served.pop(rid)
+            if st is not None:
+                return st
+            if time.monotonic() >= deadline:
+                return ServedTurn()
+            time.sleep(0.02)

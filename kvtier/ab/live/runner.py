@@ -1,71 +1,88 @@
 """The live A/B runner: replay one trace through each strategy's real stack.
 
 For every strategy: start its stack (``LocalStack``, ≤ 3 instances, one at a
-time under the machine-wide lock, ``kvtier.ab.live.lock``), the indexer
-in-process when the strategy uses it, and the router (``RouterServer``); replay
+time under the machine-wide lock, ``kvtier.ab.live.lock``), then its indexer when
+the strategy uses one and its router, each a process of its own as users deploy
+them (``kvtier indexer --config FILE``, ``kvtier router --config FILE``:
+``kvtier.ab.live.services``; configs and logs in the run's log directory); replay
 the trace (conversation starts and tool waits multiplied by ``time_scale``,
 every conversation on its own thread, so the trace's own overlap is the
 concurrency); record each turn and sample memory; stop everything
-(``try/finally``).
+(``try/finally``). The router shares no interpreter with the harness's threads,
+so their GIL cannot stall its event loop; its own stalls over the run are in
+``meta["router_stalls"]`` (the report shows them).
 
 How each number is measured (also written into the report, ``MEASUREMENT``):
 
 - The runner talks to the router like ``kvtier.router.client.Conversation``
   (token-id history, non-streaming completions, ``ignore_eos`` so a turn
   generates exactly the trace's ``response_tokens``) and tags every turn with
-  an ``x-request-id``, which the router forwards on both legs. What the
-  router's answer cannot say comes from a ``LegTap``, the router's transport,
-  which times every upstream completion leg and keeps each engine answer's
-  ``kv_transfer_params``, keyed by that id.
+  an ``x-request-id``, which the router logs as ``client_request_id`` on the
+  turn's ``served`` line. What the router's answer cannot say comes from that
+  line in the router's JSON log file (``kvtier.ab.live.probes.RouterLog``): the
+  prefill instance and when its leg answered (``prefill_ms``, of ``ms`` in all),
+  the prefill engine's ``cached_tokens`` and what the decode node said it kept
+  (``retained_tokens``: its answer's ``remote_num_tokens``).
 - ``reuse_path``, ``reused_tokens``, ``outcome``: the router's own decision,
   from its answer's ``x-kvtier-reuse: PATH; tokens=N`` and
   ``x-kvtier-outcome`` headers (``kvtier.wire.reuse_headers``); a failed turn
-  records ``none``/0/``none``. ``computed_tokens`` = prompt - reused.
-- ``ttft_s`` (leg tap): client send -> the router's prefill leg answered (the first token
+  records ``none``/0/``none``. Where the prefill engine said how many prompt tokens
+  it did not compute, that count wins (a failed or partial load computes more).
+  ``computed_tokens`` = prompt - reused.
+- ``ttft_s``: client send -> the router's prefill leg answered (the first token
   exists on P; router overhead, indexer calls, D->P/peer reads and the prompt's
-  prefill are inside). The P->D KV move and decode are in ``e2e_s`` only. When
-  the router fell back to one instance (no P/D), ttft = e2e.
+  prefill are inside): the client's whole turn less the router's tail after the
+  prefill leg answered (``ms - prefill_ms`` of its ``served`` line, so no clocks of
+  two processes are compared). The P->D KV move and decode are in ``e2e_s`` only.
+  When the router fell back to one instance (no P/D), ttft = e2e.
 - ``transfer_s``: the prefill instances' ``vllm:nixl_xfer_time_seconds_sum``
   over the strategy's run, split over reusing turns by transferred tokens (vLLM
   exports no per-request transfer time; peer reads of the host tier are not in
   this metric).
-- ``device_blocks_retained`` (leg tap): a ledger of what decode nodes pin: after each
+- ``device_blocks_retained``: a ledger of what decode nodes pin: after each
   turn D returns ``remote_num_tokens`` it keeps for ``decoder_kv_blocks_ttl``
   (the decode leg's ``kv_transfer_params``, which the router never shows its
-  client); the blocks are freed when a prefill reads them (a ``dp_read`` turn)
-  or at D's TTL. The engines' ``vllm:kv_cache_usage_perc`` is sampled too
-  (``meta``).
+  client and logs as ``retained_tokens``); the blocks are freed when a prefill
+  reads them (a ``dp_read`` turn) or at D's TTL. The engines'
+  ``vllm:kv_cache_usage_perc`` is sampled too (``meta``).
   When the decode nodes export their own retention metrics (``KVTierNixlConnector`` with
   decode leases, ``kvtier.ab.live.probes.DecodeRetention``) the samples are their
   ``kvtier_decode_blocks_retained`` and block-seconds their own counter
   (``meta["device_blocks_source"]`` says which one a run used).
-- ``host_bytes_held``: host-tier blocks per the tier's KV events (indexer
-  counters: stored - removed, medium CPU) x block bytes from the model config.
+- ``host_bytes_held``: host-tier blocks per the tier's KV events (the indexer's
+  ``GET /v1/pods`` counters: stored - removed, medium CPU) x block bytes from the model
+  config.
 - ``meta["engine"]``: the engines' own queue time, inter-token latency, preemptions and
   running/waiting peaks (``kvtier.ab.live.probes.EngineProbe``); ``refusal``: the router's
-  ``served`` log line for the turn (``kvtier.ab.live.probes.ServedLog``).
+  ``served`` log line for the turn.
 - Decode leases (a strategy whose config has them, ``tiered-adaptive``): the router gets each
   decode node's ``lease`` endpoint (``router_instances``) and the strategy's retention
   settings (``StrategySpec.router_settings``: ``retention: adaptive`` with the cost model);
   each turn's ``hold_s`` / ``hold_basis`` / ``hold_samples`` come from the router's ``served``
   line and ``hold_why`` from its ``hold`` line.
+- ``meta["services"]``: the router's and the indexer's pid, command, config, log and URL;
+  ``meta["router_stalls"]``: the router's event-loop stalls over its life (this run):
+  count and total seconds from its ``kvtier_router_event_loop_stall_seconds`` histogram
+  (``/metrics`` at the end), the longest and each one's warning line from its log.
 
 A stack that is already running (``run_on_stack``, ``kvtier ab --stack``) is replayed through
-its own router, a process of its own: no leg tap, no router log, no ledger. Each turn is
-streamed and its TTFT is the first token; device blocks are the decode nodes' own retention
-metrics or their KV in use; host bytes the host tiers' gauges or the stack's indexer
+its own router too, but its log is not this run's to read: no router log, no ledger. Each
+turn is streamed and its TTFT is the first token; device blocks are the decode nodes' own
+retention metrics or their KV in use; host bytes the host tiers' gauges or the stack's indexer
 (``kvtier.ab.live.running.MEASUREMENT``). Both kinds of run share ``_replay``, told apart by
 their ``Target``.
 
 Where it is written: the run (options, replay, sampling, the result's meta) here; how a turn
-is measured (leg tap, device ledger, the turn's record) in ``kvtier.ab.live.measure``; the
-stack a strategy is deployed on (its spec, the router's instances, the in-process indexer) in
-``kvtier.ab.live.stacks``; a running stack (discovery, checks, the streamed turn) in
-``kvtier.ab.live.running``.
+is measured (the logged legs, device ledger, the turn's record) in
+``kvtier.ab.live.measure``; the router's log in ``kvtier.ab.live.probes``; the router and
+indexer processes in ``kvtier.ab.live.services``; the stack a strategy is deployed on (its
+spec, the router's instances) in ``kvtier.ab.live.stacks``; a running stack (discovery,
+checks, the streamed turn) in ``kvtier.ab.live.running``.
 
 Threading model: ``run_strategy`` is called from one thread; it owns one
-thread per conversation, a sampler thread, and the router/indexer server
-threads, and joins or stops all of them before it returns.
+thread per conversation and a sampler thread, and joins all of them before it
+returns; the router and the indexer are child processes, stopped (SIGTERM, then
+SIGKILL) before it returns.
 """
 
 from __future__ import annotations
@@ -85,8 +102,8 @@ import httpx
 
 from kvtier.ab.live.measure import (
     DeviceLedger,
-    LegTap,
     complete_turn,
+    logged_legs,
     split_transfer,
     turn_record,
 )
@@ -94,16 +111,24 @@ from kvtier.ab.live.probes import (
     DecodeRetention,
     Endpoint,
     EngineProbe,
-    ServedLog,
-    capture_served,
+    RouterLog,
     lease_metrics_urls,
 )
 from kvtier.ab.live.running import RunningStack, stream_turn
 from kvtier.ab.live.running import host_bytes as running_host_bytes
-from kvtier.ab.live.scrape import metric, scrape
+from kvtier.ab.live.scrape import metric, page, scrape
+from kvtier.ab.live.services import (
+    Service,
+    answers_healthz,
+    await_indexer_streams,
+    free_port,
+    indexer_config,
+    router_config,
+    router_stalls,
+    start_service,
+)
 from kvtier.ab.live.stacks import (
     StackProvider,
-    indexer_for,
     locked_stack,
     router_instances,
     stack_spec_for,
@@ -113,7 +138,6 @@ from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import ConversationSpec, Trace, token_ids
 from kvtier.devstack.stack import LocalStack
 from kvtier.router.config import RouterConfig
-from kvtier.router.server import RouterServer
 from kvtier.wire.reuse_headers import ReuseReport
 
 if TYPE_CHECKING:
@@ -123,15 +147,19 @@ log = logging.getLogger("kvtier.ab")
 
 MEASUREMENT = {
     "ttft_s": "client send -> router's prefill leg answered (first token computed on P; includes "
-              "router, indexer, D->P/peer reads, prefill). P->D move and decode only in e2e_s",
+              "router, indexer, D->P/peer reads, prefill): the client's whole turn less the "
+              "router's tail after its prefill leg answered (ms - prefill_ms of the router "
+              "process's served log line). P->D move and decode only in e2e_s",
     "e2e_s": "client send -> full non-streaming answer from the router",
-    "reused_tokens": "the router's x-kvtier-reuse header (tokens=N: prompt tokens reused); "
+    "reused_tokens": "the prefill engine's cached_tokens (the router's served log line), else "
+                     "the router's x-kvtier-reuse header (tokens=N: prompt tokens reused); "
                      "computed = prompt - reused",
     "reuse_path": "the router's x-kvtier-reuse header (dp_read, p2p, local, none)",
     "outcome": "the router's x-kvtier-outcome header (full, trimmed, stale, expired, none)",
     "transfer_s": "prefill instances' vllm:nixl_xfer_time_seconds_sum over the run, split over "
                   "reusing turns by transferred tokens (peer host-tier reads not included)",
-    "device_blocks_retained": "ledger of decode-pinned KV: D's remote_num_tokens after each turn, "
+    "device_blocks_retained": "ledger of decode-pinned KV: D's remote_num_tokens after each turn "
+                              "(retained_tokens of the router's served log line), "
                               "held until a prefill reads it or D's decoder_kv_blocks_ttl ends; "
                               "never more than the decode engines' blocks in use "
                               "(vllm:kv_cache_usage_perc x num_gpu_blocks) when they say",
@@ -151,6 +179,12 @@ MEASUREMENT = {
     "turns_per_min": "turns answered / the run's wall time (same offered load for every "
                      "strategy: the trace's start times and waits)",
     "refusal": "the router's served log line: why retained device KV was not read",
+    "router / indexer": "each its own process (kvtier router|indexer --config FILE), started "
+                        "for the strategy's run; pids, commands, configs and logs in meta "
+                        "services",
+    "router event-loop stalls": "the router's kvtier_router_event_loop_stall_seconds (count, "
+                                "sum) from its /metrics at the end of the run, and its "
+                                "watchdog's warning lines (the longest stall) from its log",
     "hold_s / hold_basis": "decode leases: the router's served log line -- how long it chose to "
                            "hold the turn's device KV (0: released at once) and on what basis "
                            "(renew; adaptive: the conversation's own waits, the fleet's, or "
@@ -213,9 +247,9 @@ def run_on_stack(spec: StrategySpec, stack: RunningStack, trace: Trace,
 @dataclass
 class Target:
     """What one run replays the trace against: a router, the engines' metrics pages, and --
-    for a local stack, whose router runs in this process -- the router's transport tap and
-    log (then each turn is sent whole and timed by its legs; without them it is streamed and
-    its TTFT is the first token)."""
+    for a local stack, whose router this run started -- the router's log (then each turn is
+    sent whole and its legs are read from the router's ``served`` line; without it each
+    turn is streamed and its TTFT is the first token)."""
 
     url: str                                   # the router
     model_name: str
@@ -225,57 +259,70 @@ class Target:
     instances: list[str]
     topology: str
     prefill_urls: list[str]
-    tap: LegTap | None = None
-    served: ServedLog | None = None
+    router_log: RouterLog | None = None
 
 
 def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack) -> RunResult:
+    """Serve ``stack`` through its own router process (and indexer process, when ``spec``
+    uses one), started here with their configs and logs in the run's log directory, and
+    replay ``trace`` through that router."""
     model_name = Path(opts.model).name
+    log_dir = opts.log_dir / spec.name
     with contextlib.ExitStack() as es:
-        idx_svc, idx_url = (es.enter_context(indexer_for(stack, model_name, opts.block_size))
-                            if spec.use_indexer else (None, None))
-        roles = {i.url: (i.spec.name, i.spec.role.value) for i in stack.instances}
-        tap = LegTap(roles)
-        rcfg = RouterConfig.model_validate({
-            "instances": router_instances(stack),
-            "indexer": idx_url, "indexer_model": model_name if idx_url else None,
-            "port": 0, "log_json": False, "block_size": opts.block_size,
-            # A slow prefill is the measurement, not a fault: no leg times out
-            # before the turn itself would.
-            "timeouts": {"prefill_s": opts.turn_timeout_s, "decode_idle_s": opts.turn_timeout_s},
-            # Turns are sent whole and timed by their legs (the tap): nothing is streamed,
-            # so no decode node needs a params feed (and none is warned about).
-            "stream_capture": "buffered",
-            **spec.router_settings()})
-        served = es.enter_context(capture_served())
-        srv = es.enter_context(RouterServer(rcfg, transport=tap))
+        services: dict[str, Service] = {}
+        idx_url = None
+        if spec.use_indexer:
+            icfg = indexer_config(stack, model_name, opts.block_size, free_port())
+            idx = es.enter_context(start_service("indexer", icfg, log_dir, answers_healthz))
+            services["indexer"], idx_url = idx, idx.url
+            await_indexer_streams(idx_url)
+        rcfg = router_config(router_instances(stack), idx_url, model_name, opts.block_size,
+                             opts.turn_timeout_s, free_port(), spec.router_settings())
+        RouterConfig.model_validate(rcfg)  # a bad config fails here, not in the process
+        router = es.enter_context(start_service("router", rcfg, log_dir, answers_healthz))
+        services["router"] = router
         http = es.enter_context(httpx.Client(timeout=30))
         block_bytes = opts.block_size * opts.kv_bytes_per_token
 
-        def host_bytes(_: httpx.Client) -> int:
-            if idx_svc is None:
+        def host_bytes(c: httpx.Client) -> int:
+            if idx_url is None:
                 return 0
-            d = idx_svc.pod_details()
-            return sum(max(0, p["blocks_stored"] - p["blocks_removed"])
-                       for p in d.values()) * block_bytes
+            try:
+                pods = c.get(f"{idx_url}/v1/pods", timeout=5).json().get("pods") or {}
+                return sum(max(0, int(p["blocks_stored"]) - int(p["blocks_removed"]))
+                           for p in pods.values()) * block_bytes
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                return 0
 
+        rlog = RouterLog(router.log)
         target = Target(
-            url=srv.url, model_name=model_name,
+            url=router.url, model_name=model_name,
             engines=[Endpoint(i.spec.name, i.spec.role.value, i.url) for i in stack.instances],
             decode_metrics=lease_metrics_urls([i.spec.side_channel_port for i in stack.decode],
                                               stack.spec.kv_transfer_config),
             host_bytes=host_bytes, instances=[d["name"] for d in stack.describe()],
             topology=f"{len(stack.prefill)}P{len(stack.decode)}D",
-            prefill_urls=[i.url for i in stack.prefill], tap=tap, served=served)
-        return _replay(spec, trace, opts, target, http)
+            prefill_urls=[i.url for i in stack.prefill], router_log=rlog)
+        res = _replay(spec, trace, opts, target, http)
+        res.meta["services"] = {n: s.describe() for n, s in services.items()}
+        for name, svc in services.items():
+            if svc.proc.poll() is not None:  # its turns failed: the records say so
+                res.meta["services"][name]["exited"] = svc.proc.returncode
+                log.error("the %s process exited (%s) during the run; its log: %s", name,
+                          svc.proc.returncode, svc.log)
+        rlog.read()
+        res.meta["router_stalls"] = router_stalls(page(http, router.url), rlog.stalls,
+                                                  rlog.longest_stall_s)
+        return res
 
 
 def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
             http: httpx.Client) -> RunResult:
-    tap, served = target.tap, target.served
-    # Without the tap no decode leg is seen: no ledger, the decode engines' KV in use instead.
+    rlog = target.router_log
+    # Without the router's log no decode leg is seen: no ledger, the decode engines' KV in use
+    # instead.
     ledger = (DeviceLedger(opts.block_size, spec.decode_ttl_s if spec.device_retention else None)
-              if tap is not None else None)
+              if rlog is not None else None)
     records: list[TurnRecord] = []
     memory: list[MemorySample] = []
     usage: list[dict[str, float]] = []
@@ -323,15 +370,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
         cid = f"{spec.name}-{conv.conversation_id}-{uuid.uuid4().hex[:6]}"
         history: list[int] = []
         last: tuple[list[int], list[int]] | None = None  # (prompt, generated) of the last turn
-        # The router's own request id (its answer's x-request-id) keys the legs the tap saw:
-        # a router that forwards the client's id on the legs returns that same id.
-        answered: dict[str, str] = {}
-
-        def on_response(resp: httpx.Response) -> None:
-            answered["rid"] = resp.headers.get("x-request-id", "")
-
-        with httpx.Client(base_url=target.url, timeout=opts.turn_timeout_s,
-                          event_hooks={"response": [on_response]}) as c:
+        with httpx.Client(base_url=target.url, timeout=opts.turn_timeout_s) as c:
             for i, turn in enumerate(conv.turns):
                 if i and turn.wait_s > 0:
                     time.sleep(turn.wait_s * opts.time_scale)
@@ -341,13 +380,12 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
                 prompt = [*history, *token_ids(conv, i, turn.new_tokens, trace.vocab_size)]
                 rid = f"{cid}:{i}"
                 t0 = time.perf_counter()
-                answered.clear()
                 gen: list[int] | None = None
                 reuse: ReuseReport | None = None
                 first: float | None = None
                 err = ""
                 try:
-                    if tap is not None:
+                    if rlog is not None:
                         gen, reuse = complete_turn(c, target.model_name, cid, rid, prompt,
                                                    turn.response_tokens)
                     else:
@@ -356,12 +394,15 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
                 except Exception as e:  # noqa: BLE001 - a failed turn is a record, not a crash
                     err = f"{type(e).__name__}: {e}"[:300]
                 t1 = time.perf_counter()
-                legs = tap.take(answered.get("rid") or rid) if tap is not None else []
+                # The router's served line for this turn (kept by the client's x-request-id);
+                # a failed turn may have none, so it is not waited for.
+                st = (rlog.take_turn(rid, wait_s=2.0 if gen is not None else 0.0)
+                      if rlog is not None else None)
+                legs = logged_legs(st, t0, t1) if st is not None else []
                 r = turn_record(spec.name, conv.conversation_id, i, t0 - t_run, t0, t1, legs,
                                 len(prompt), gen, reuse, err, ledger, cid,
                                 first_token=first)
-                if served is not None:
-                    st = served.take_turn(rid)
+                if st is not None:
                     r.refusal, r.hold_s, r.hold_basis = st.refusal, st.hold_s, st.hold_basis
                     r.hold_samples, r.hold_why = st.hold_samples, st.hold_why
                 with rec_lock:
@@ -402,7 +443,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
         "engine_kv_usage": usage, "instances": target.instances, "topology": target.topology,
         "engine": probe.finish(http), "engine_kv_blocks": dict(probe.capacity),
         "device_blocks_source": source, "ledger_samples_capped": capped[0]}
-    if spec.leases and tap is not None:
+    if spec.leases and rlog is not None:
         rs = spec.router_settings()
         meta["router_retention"] = {k: rs[k] for k in ("retention", "host_copy",
                                                         "decode_lease_s", "decode_kv_ttl_s")
@@ -410,7 +451,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
         meta["router_retention"].setdefault("retention", "renew")
         if rs.get("cost_refit"):
             meta["router_cost"] = router_cost(http, target.url, rs["cost_model"])
-    if tap is not None:
+    if rlog is not None:
         meta["router_faults"] = router_faults(http, target.url)
     counted_s = own.finish(http)
     if math.isfinite(counted_s):

@@ -1,12 +1,14 @@
 """The local stack a live run deploys a strategy on (`kvtier.ab.live.runner`): its spec, the
-router's view of its instances, the in-process indexer, and the machine-wide lock.
+router's view of its instances, an in-process indexer, and the machine-wide lock.
 
 - `stack_spec_for`: the ``StackSpec`` of a strategy (topology, ``--kv-transfer-config``, vLLM
   flags), a `RoleStackSpec` when a regime gives one role its own arguments or environment.
 - `router_instances`: the router's ``instances`` for a running stack (decode lease endpoints
   included).
 - `indexer_for`: an indexer subscribed to every instance's host-tier events, served over HTTP
-  in this process; `locked_stack`: a ``LocalStack`` under the machine-wide e2e lock.
+  in this process (for tests that drive a router themselves; a live run starts ``kvtier
+  indexer`` as a process, ``kvtier.ab.live.services``); `locked_stack`: a ``LocalStack``
+  under the machine-wide e2e lock.
 
 Threading model: called from the runner's thread; `indexer_for` starts the indexer's own
 threads and stops them on exit.
