@@ -2,9 +2,9 @@
 
 Starts vLLM (CUDA build, the Llama-3.1-8B shape of ``benchmarks/gpu/model`` with dummy
 weights, eager, a fixed 4 GiB KV cache so both start at once) with each CUDA host-tier
-config of ``configs/``: ``cuda-host-tier`` (the one kvtier ships for CUDA, ``docs/gpu.md``
-says why) and ``vllm-offload-cpu`` (vLLM's own ``OffloadingConnector``, the ``vllm-offload``
-strategy of the A/B). On each: turn 1 (3,000 prompt tokens, 16 generated); turn 2 (turn 1's
+config of ``configs/``: ``vllm-offload-cpu`` (vLLM's own ``OffloadingConnector``: the host tier
+kvtier ships for CUDA, ``docs/gpu.md`` says why; the ``vllm-offload`` strategy of the A/B) and
+``cuda-kvtier-host`` (kvtier's own tier on CUDA, which peer fetch needs). On each: turn 1 (3,000 prompt tokens, 16 generated); turn 2 (turn 1's
 prompt and answer plus 500 new tokens) once with a fresh ``cache_salt`` (nothing can be
 reused: the recomputed reference), then, after ``/reset_prefix_cache`` empties device
 memory, without one: its history must come from host memory (``cached_tokens`` covers turn
@@ -32,7 +32,7 @@ from kvtier.configs import load_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "benchmarks" / "gpu" / "model"
-CONFIGS = {"cuda-host-tier": 8311, "vllm-offload-cpu": 8312}
+CONFIGS = {"cuda-kvtier-host": 8311, "vllm-offload-cpu": 8312}
 START_S = 420.0
 BLOCK = 16
 
