@@ -8,8 +8,10 @@
 #   moe.tar.xz   vLLM's MoE kernels (one big .so, kept apart so the site archive stays small)
 #   nixl.tar.xz  nixl==1.5.1 + nixl-cu13==1.5.1, pruned (nixl_ep's torch builds, headers, perftest);
 #                NixlConnector and kvtier's peer fetch need it
-# Each .gpu/cK holds at most CHUNK bytes (default: 62 MiB less the working tree that travels with
-# every call, since the device tool carries 64 MiB in all), so each is one `run` call's carry.
+# Each .gpu/cK holds at most CHUNK bytes (default: 56 MiB less the working tree that travels with
+# every call, since the device tool carries 64 MiB in all, and 8 MiB for the tree to grow between
+# packing and the calls: a 62 MiB budget failed to carry once the results of a session were
+# committed), so each is one `run` call's carry.
 # Every folder also holds sums.txt (sha256 of each whole archive); benchmarks/gpu/device.sh joins the
 # parts, checks the sums and unpacks. Downloaded wheels stay in .gpu/whl (a rerun skips the download).
 # Adds /.gpu/ to .git/info/exclude. kvtier itself is NOT packed: it travels as source with the
@@ -45,7 +47,7 @@ python3 -m pip install -q --no-deps --no-compile --target "$TMP/nixl" $PLAT "$W"
 
 # Split into parts and fill folders in order, each at most CHUNK bytes.
 TREE=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-CHUNK=${CHUNK:-$(( 62 * 1048576 - TREE ))}
+CHUNK=${CHUNK:-$(( 56 * 1048576 - TREE ))}
 echo "working tree $TREE B; chunk $CHUNK B"
 (cd "$TMP/out" && sha256sum site.tar.xz moe.tar.xz nixl.tar.xz > sums.txt)
 mkdir -p "$TMP/parts"
