@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import time
@@ -57,10 +56,10 @@ def _complete(url: str, prompt: list[int], n: int, **extra: object) -> tuple[lis
 def _external_hits(url: str) -> float:
     import httpx
 
+    from kvtier.ab.live.scrape import metric
+
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in
-               re.finditer(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", text,
-                           re.MULTILINE))
+    return metric(text, "vllm:external_prefix_cache_hits_total")  # summed over label sets
 
 
 @pytest.fixture(scope="module")
