@@ -366,6 +366,20 @@ class Cluster:
             return False
         raise NotImplementedError(f"{pod.name}: probe {pr}")
 
+    def probe_fails(self, pod: Pod, c: dict[str, Any], kind: str) -> bool:
+        """Whether the container's ``kind`` probe fails as the kubelet counts a failure: its
+        ``failureThreshold`` (default 3) attempts in a row, ``periodSeconds`` (default 10)
+        apart, all fail. One slow attempt (an exec probe's process start past its 1 s
+        ``timeoutSeconds`` on a loaded machine) does not make a pod unready or restart it."""
+        pr = c[kind]
+        attempts = int(pr.get("failureThreshold", 3))
+        for i in range(attempts):
+            if self.probe(pod, c, kind):
+                return False
+            if i + 1 < attempts:
+                time.sleep(float(pr.get("periodSeconds", 10)))
+        return True
+
     def ready(self, pod: Pod) -> bool:
         if pod.init_running is not None or pod.queue:
             return False

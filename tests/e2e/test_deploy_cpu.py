@@ -39,6 +39,7 @@ from kvtier.ab.live.lock import e2e_lock
 from tests.deploycheck import containers, render
 from tests.e2e.pd import metric
 from tests.manifests import Cluster
+from tests.stillness import Stillness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -112,12 +113,23 @@ def cluster(request, stack_pool) -> Iterator[Cluster]:
                 print(f"pods' files and logs kept in {root}", flush=True)
 
 
-def test_three_turns_through_the_router_service_reuse_kv(cluster: Cluster) -> None:
+# A conversation whose checks fail is run once more (a new conversation) only when the
+# machine stood still for at least this long during it (tests/stillness.py): a stopped VM
+# lets the decode lease (30 s) and the router's prefill timeout (60 s) run out on the
+# monotonic clock while nothing ran. Any other failure fails the test.
+STILL_S = 10.0
+
+
+def _conversation(cluster: Cluster, conversation: str) -> tuple[list[tuple], float]:
+    """Three turns through the two router pods in turn (A, B, A); each turn's (turn, the
+    router's x-kvtier-reuse, prompt tokens the prefill read over NIXL, prompt tokens,
+    seconds), and the seconds the machine stood still meanwhile."""
     routers = [cluster.url(p) for p in cluster.of("router")]
     prefill = cluster.url(cluster.of("prefill")[0])
     assert len(routers) == 2, routers
     history: list[int] = []
     seen = []
+    still = Stillness()
     with httpx.Client(timeout=300, trust_env=False) as http:  # a loaded 2-core machine
         for turn in range(3):
             prompt = history + _ids(turn, FIRST if turn == 0 else NEXT)
@@ -126,14 +138,19 @@ def test_three_turns_through_the_router_service_reuse_kv(cluster: Cluster) -> No
             r = http.post(routers[turn % 2] + "/v1/completions", json={
                 "model": "tiny", "prompt": prompt, "max_tokens": ANSWER, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True,
-                "conversation_id": "deploy-cpu-conversation"})
+                "conversation_id": conversation})
             assert r.status_code == 200, r.text
             ext = metric(http, prefill, EXT, source="external_kv_transfer") - ext0
             reuse = r.headers.get("x-kvtier-reuse", "")
             seen.append((turn + 1, reuse, ext, len(prompt), round(time.perf_counter() - t0, 2)))
             print(f"turn {turn + 1} via router {'AB'[turn % 2]}: reuse {reuse!r}, prefill read "
-                  f"{ext:.0f} of {len(prompt)} prompt tokens over NIXL", flush=True)
+                  f"{ext:.0f} of {len(prompt)} prompt tokens over NIXL "
+                  f"(machine stood still {still.lost_s():.1f} s so far)", flush=True)
             history = prompt + r.json()["choices"][0]["token_ids"]
+    return seen, still.lost_s()
+
+
+def _check(seen: list[tuple], cluster: Cluster) -> None:
     assert seen[0][1].startswith("none"), seen
     for turn, reuse, ext, prompt, _ in seen[1:]:
         assert reuse.startswith(("dp_read", "p2p")), (turn, seen, _router_logs(cluster))
@@ -141,6 +158,20 @@ def test_three_turns_through_the_router_service_reuse_kv(cluster: Cluster) -> No
         # more than the recompute threshold
         assert ext >= 64, (turn, seen)
         assert ext < prompt, (turn, seen)
+
+
+def test_three_turns_through_the_router_service_reuse_kv(cluster: Cluster) -> None:
+    seen, lost = _conversation(cluster, "deploy-cpu-conversation")
+    try:
+        _check(seen, cluster)
+    except AssertionError as e:
+        if lost < STILL_S:
+            raise
+        print(f"the machine stood still {lost:.0f} s during this conversation (no CPU ran: "
+              f"tests/stillness.py), its checks failed: {str(e)[:300]}; once more, as a new "
+              "conversation", flush=True)
+        seen, lost = _conversation(cluster, "deploy-cpu-conversation-2")
+        _check(seen, cluster)
 
 
 def _router_logs(cl: Cluster) -> str:
@@ -155,10 +186,13 @@ def _router_logs(cl: Cluster) -> str:
 
 
 def test_every_probe_answers(cluster: Cluster) -> None:
+    """Every probe the manifests declare passes as the kubelet judges it (``probe_fails``:
+    ``failureThreshold`` attempts in a row must fail; a run on the 2-core VM saw Redis's exec probe, a
+    ``redis-cli`` started through ``ip netns exec``, miss its 1 s timeout once)."""
     failed = []
     for pod in cluster.pods:
         for c in containers(pod.workload):
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                if kind in c and not cluster.probe(pod, c, kind):
+                if kind in c and cluster.probe_fails(pod, c, kind):
                     failed.append(f"{pod.name}/{c['name']} {kind}")
     assert failed == []
