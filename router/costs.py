@@ -15,6 +15,13 @@ the model in use blended with those estimates, so a path that keeps losing stops
 chosen. ``explore`` gives a small counted share of turns to a young or stale estimate
 (``kvtier_router_cost_explored_total``). Without it ``decision_cost`` is the model itself.
 
+``chose`` follows each context bucket's choice between reusing (any read path) and
+recomputing, explored turns aside: when it changes, one INFO line ``path switch`` (fields
+``bucket``, ``was``, ``now``, ``path``, ``expected_ms``, ``samples``: the estimates it chose
+by and how many live legs stand behind each) and ``kvtier_router_cost_switches_total``. The
+first choice of a bucket is not a switch. That line is how an operator (and ``kvtier ab``'s
+report) sees a router learn that reading loses to recomputing, and when.
+
 What is learned and how a turn's path is chosen is ``kvtier.cost.learned.LearnedCost``, the
 same object the simulator's model of this router owns (``kvtier.ab.sim_policy``); this class
 adds the metrics and log lines.
@@ -25,10 +32,10 @@ Threading model: one router event loop owns an instance.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.cost.decide import Decision, Offer, TtftCost
-from kvtier.cost.estimator import PathEstimator, bucket_label
+from kvtier.cost.estimator import PathEstimator, bucket_label, bucket_of
 from kvtier.cost.learned import LearnedCost, LearnSettings
 from kvtier.cost.model import CostModel
 from kvtier.cost.online import OnlineCost
@@ -51,6 +58,7 @@ class RouterCost:
         self.metrics = metrics
         self.on_change = on_change
         self._warned: str | None = None
+        self._chosen: dict[int, str] = {}  # bucket -> "reuse" | "recompute", bounded by BUCKETS
         if model is not None:
             self._expose(model)
 
@@ -77,6 +85,27 @@ class RouterCost:
         if d is not None:
             self.metrics.cost_explored.labels(d.path or ReusePath.NONE.value).inc()
         return d
+
+    def chose(self, prompt_tokens: int, path: ReusePath, expected_s: Mapping[str, float],
+              explored: bool) -> None:
+        """A turn's path was chosen by cost (``PlanChoice``); log a switch (module docstring)."""
+        if explored or prompt_tokens <= 0:
+            return
+        b = bucket_of(prompt_tokens)
+        now = "recompute" if path is ReusePath.NONE else "reuse"
+        was = self._chosen.get(b)
+        self._chosen[b] = now
+        if was is None or was == now:
+            return
+        label = bucket_label(b)
+        self.metrics.cost_switches.labels(label, now).inc()
+        est = self.learned.estimator
+        samples = ({p: est.live(p, b)[1] for p in expected_s} if est is not None else {})
+        log.info("path switch", extra={
+            "bucket": label, "was": was, "now": now, "path": path.value,
+            "prompt_tokens": prompt_tokens,
+            "expected_ms": {p: round(s * 1e3, 2) for p, s in expected_s.items()},
+            "samples": samples})
 
     def prefill_leg(self, prompt_tokens: int, path: ReusePath, reused_tokens: int,
                     seconds: float) -> None:

@@ -114,6 +114,11 @@ class RouterMetrics:
         self.cost_explored = Counter(p + "cost_explored", "Turns whose reuse path was taken to "
                                      "keep a young or stale estimate alive (explore_share), "
                                      "by the path taken", ["path"], registry=r)
+        self.cost_switches = Counter(p + "cost_switches", "Context buckets whose chosen "
+                                     "path changed between reusing and recomputing (explored "
+                                     "turns aside), by bucket and by what it chose now "
+                                     "(reuse, recompute); each switch is logged", ["bucket", "to"],
+                                     registry=r)
         # Decode pressure (router/pressure.py, hold_pressure): what prices a held turn.
         self.decode_pressure = Gauge(p + "decode_pressure", "Each decode node's KV pressure "
                                      "as last scraped: kv_cache_usage (0-1), requests_waiting, "

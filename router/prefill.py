@@ -91,6 +91,9 @@ class PrefillLeg:
                 reuse, turn.decision, source, matched, p_inst.name,
                 len(ids) if ids is not None else 0, self.cost.decision_cost(), self.cost.explore)
             turn.log.choice = choice
+            if choice is not None:
+                self.cost.chose(len(ids) if ids is not None else 0, path, choice.expected_s,
+                                choice.explored)
             if offered and path is not ReusePath.DP_READ:
                 turn.log.refusal = Refusal.BELOW_THRESHOLD  # another path (or none) was cheaper
             kv = KVTransferParams.prefill_request(reuse=reuse, source=source)

@@ -370,6 +370,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     if slo:
         lines += _slo_section(results, float(slo))
     lines += _stalls_section(results)
+    lines += _switches_section(results)
     lines += _refusal_table(results)
     lines += _hold_section(results)
     if meta.get("adaptive"):
@@ -590,6 +591,40 @@ def _stalls_section(results: Sequence[RunResult]) -> list[str]:
             "of the run; the warning lines from its log).", "",
             "| strategy | repeat | router pid | stalls | warnings |", "|---|---|---|---|---|",
             *rows, ""]
+
+
+def _switches_section(results: Sequence[RunResult]) -> list[str]:
+    """When each deciding router switched a context bucket between reusing and recomputing
+    (``meta["path_switches"]``, one list per repeat after ``merge_repeats``): every switch,
+    with the estimates it chose by. [] where no run recorded any (fixed strategies, older
+    reports)."""
+    rows = []
+    for r in results:
+        per = r.meta.get("path_switches")
+        if not per:
+            continue
+        if isinstance(per, list) and per and isinstance(per[0], dict):
+            per = [per]
+        for i, sws in enumerate(per):
+            for sw in sws or []:
+                exp = sw.get("expected_ms") or {}
+                n = sw.get("samples") or {}
+                est = ", ".join(f"{p} {ms:.0f} ms (n={n.get(p, 0)})"
+                                for p, ms in sorted(exp.items(), key=lambda kv: kv[1]))
+                at = sw.get("at_s")
+                rows.append(f"| {r.strategy} | {i + 1} | {at if at is not None else '?'} | "
+                            f"{sw.get('bucket', '?')} | {sw.get('was', '?')} -> "
+                            f"{sw.get('now', '?')} ({sw.get('path', '?')}) | {est} |")
+    if not rows:
+        return []
+    return ["## When the router switched between reusing and recomputing", "",
+            "Each `path switch` line of a deciding router's log (router/costs.py): a context "
+            "bucket whose cheapest path went from a read to recomputing or back, explored "
+            "turns aside, with the expected TTFT of each offered path it chose by (cost model "
+            "blended with the live median of that bucket's legs) and the live samples behind "
+            "each.", "",
+            "| strategy | repeat | at (s into the run) | context (tokens) | switch | expected "
+            "TTFT by path |", "|---|---|---|---|---|---|", *rows, ""]
 
 
 def stalls_text(st: dict[str, Any] | None) -> str:

@@ -214,7 +214,16 @@ class StrategySpec(BaseModel):
         if not self.adaptive:
             return self
         rec = cost.recommend()
-        spec = self.with_thresholds(rec.kv_recompute_threshold, rec.min_cached_token_delta)
+        delta = rec.min_cached_token_delta
+        if self.leases and self.cost_learn:
+            # The router chooses each turn's path by the costs it learns (router/plan.py), so
+            # it offers every peer source that gains a block and lets the cost decide. A
+            # threshold from the idle calibration hid that path from what it learns: in the
+            # mixed-waits rerun (2026-12-06) it was 160 tokens, more than most turns' answer,
+            # so no peer source was offered and tiered-adaptive read its own copy of the
+            # previous prompt and recomputed the answer host-p2p read (1.044x its TTFT there).
+            delta = cost.block_size
+        spec = self.with_thresholds(rec.kv_recompute_threshold, delta)
         if self.leases:
             return spec.model_copy(update={"cost_model": cost})
         if waits and self.device_retention:

@@ -243,3 +243,24 @@ def test_the_report_shows_each_runs_router_process_and_its_stalls():
     assert _stalls_section([RunResult("recompute", [], [], {})]) == []  # a running stack's
     md = markdown([run("recompute", 303, quiet)], {"trace": "t"}, plots=False)
     assert "| recompute | 1 | 303 | none | – |" in md
+
+
+def test_the_report_says_when_the_router_switched_to_recomputing():
+    from kvtier.ab.records import merge_repeats
+    from kvtier.ab.report import _switches_section
+
+    sw = {"ts": 1000.0, "at_s": 42.5, "bucket": "1024-2047", "was": "reuse", "now": "recompute",
+          "path": "none", "expected_ms": {"none": 91.0, "dp_read": 158.4},
+          "samples": {"none": 9, "dp_read": 12}}
+
+    def run(switches: list) -> RunResult:
+        return RunResult("tiered-adaptive", [], [], {"path_switches": switches, "t_end": 1.0})
+
+    merged = merge_repeats([run([]), run([sw])])
+    text = "\n".join(_switches_section([merged]))
+    assert "## When the router switched between reusing and recomputing" in text
+    assert ("| tiered-adaptive | 2 | 42.5 | 1024-2047 | reuse -> recompute (none) | "
+            "none 91 ms (n=9), dp_read 158 ms (n=12) |") in text
+    assert "| tiered-adaptive | 1 |" not in text  # a repeat without a switch has no row
+    assert "| tiered-adaptive | 1 | 42.5 |" in "\n".join(_switches_section([run([sw])]))
+    assert _switches_section([run([]), RunResult("recompute", [], [], {})]) == []

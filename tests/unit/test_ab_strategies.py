@@ -77,8 +77,16 @@ def test_adaptive_takes_thresholds_from_the_cost_model():
                           "p2p": LinkModel(setup_s=0.05, bytes_per_s=1e9)})
     rec = cm.recommend()
     a = builtin("tiered-adaptive").with_cost_model(cm)
+    # vLLM's D->P threshold from the model; the peer gate is one block: the router, which
+    # learns each path's cost, decides (a learning router is offered every source)
     assert (a.kv_recompute_threshold, a.min_cached_token_delta) == (
-        rec.kv_recompute_threshold, rec.min_cached_token_delta)
+        rec.kv_recompute_threshold, cm.block_size)
+    assert rec.min_cached_token_delta > cm.block_size
+    assert a.router_settings()["min_cached_token_delta"] == cm.block_size
+    tier = children(a.kv_transfer_config())["KVTierConnector"]["kv_connector_extra_config"]
+    assert tier["min_cached_token_delta"] == cm.block_size  # the connector's gate agrees
+    fixed = builtin("tiered-adaptive").model_copy(update={"cost_learn": False}).with_cost_model(cm)
+    assert fixed.min_cached_token_delta == rec.min_cached_token_delta  # no learning: the model's
     assert a.kv_recompute_threshold != builtin("tiered-adaptive").kv_recompute_threshold
     nixl = children(a.kv_transfer_config())["KVTierNixlConnector"]["kv_connector_extra_config"]
     assert nixl["kv_recompute_threshold"] == rec.kv_recompute_threshold
@@ -135,7 +143,7 @@ def test_with_cost_model_and_leases_sends_the_model_to_the_router():
     a = s.with_cost_model(cm, [WaitSample(w, 2000) for w in (100.0, 200.0, 300.0)])
     rec = cm.recommend()
     assert (a.kv_recompute_threshold, a.min_cached_token_delta) == (
-        rec.kv_recompute_threshold, rec.min_cached_token_delta)
+        rec.kv_recompute_threshold, cm.block_size)  # cost_learn: the router decides p2p
     # the router decides online: waits do not remove device retention nor change the TTL
     assert a.device_retention and a.dp_reuse and a.decode_ttl_s == s.decode_ttl_s
     assert a.cost_model == cm and a.adaptive_retention

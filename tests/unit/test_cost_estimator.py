@@ -119,6 +119,35 @@ def test_a_regime_where_reading_loses_converges_to_recomputing():
     assert rc.estimator is not None and rc.estimator.explored <= 0.05 * rc.estimator.decided
 
 
+def test_the_switch_to_recomputing_is_logged_once_with_its_estimates(caplog):
+    """The router's prefill leg calls ``chose`` after each plan (router/prefill.py): the turn
+    its choice for a context bucket flips from reading to recomputing is one ``path switch``
+    line (the A/B report's "when it switched"), counted; explored turns are not switches."""
+    rc = RouterCost(_prior(), RouterMetrics(), learn=True, explore_share=0.05)
+    world = {ReusePath.DP_READ: 0.160, ReusePath.NONE: 0.090}
+    params, decision = _dp_turn()
+    caplog.set_level("INFO", logger="kvtier.router.costs")
+    first_none = None
+    for i in range(200):
+        got = plan(params, decision, None, None, PodId("p0"), PROMPT, rc.decision_cost(),
+                   rc.explore)
+        assert got.choice is not None
+        rc.chose(PROMPT, got.path, got.choice.expected_s, got.choice.explored)
+        if got.path is ReusePath.NONE and not got.choice.explored and first_none is None:
+            first_none = i
+        rc.prefill_leg(PROMPT, got.path, 1400 if got.path is ReusePath.DP_READ else 0,
+                       world[got.path])
+    switches = [r for r in caplog.records if r.getMessage() == "path switch"]
+    assert first_none is not None and len(switches) == 1, switches
+    sw = switches[0]
+    assert (sw.was, sw.now, sw.path) == ("reuse", "recompute", "none")
+    assert sw.bucket == bucket_label(bucket_of(PROMPT))
+    assert sw.expected_ms["none"] < sw.expected_ms["dp_read"]
+    assert sw.samples["dp_read"] > 0
+    assert rc.metrics.registry.get_sample_value(
+        "kvtier_router_cost_switches_total", {"bucket": sw.bucket, "to": "recompute"}) == 1
+
+
 def test_the_exploration_share_is_respected_and_counted():
     rc = RouterCost(_prior(), RouterMetrics(), learn=True, explore_share=0.05)
     assert rc.estimator is not None

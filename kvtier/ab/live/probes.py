@@ -47,6 +47,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -360,6 +361,8 @@ class RouterLog:
         self.served = ServedLog()
         self.stalls: list[str] = []
         self.longest_stall_s: float | None = None
+        # its cost's ``path switch`` lines (router/costs.py): each with its time ("ts")
+        self.switches: list[dict[str, Any]] = []
         self._pos = 0
         self._partial = b""
         self._guard = threading.Lock()
@@ -396,6 +399,8 @@ class RouterLog:
                 self.stalls.append(doc["msg"].splitlines()[0][:300])
                 late = float(m.group(1))
                 self.longest_stall_s = max(self.longest_stall_s or 0.0, late)
+        elif record.name == "kvtier.router.costs" and doc["msg"] == "path switch":
+            self.switches.append({"ts": doc.get("ts"), **fields})
         self.served.emit(record)
 
     def take_turn(self, rid: str, wait_s: float = 2.0) -> ServedTurn:

@@ -61,6 +61,8 @@ How each number is measured (also written into the report, ``MEASUREMENT``):
   each turn's ``hold_s`` / ``hold_basis`` / ``hold_samples`` come from the router's ``served``
   line and ``hold_why`` from its ``hold`` line.
 - ``meta["services"]``: the router's and the indexer's pid, command, config, log and URL;
+  ``meta["path_switches"]``: its cost's ``path switch`` lines (router/costs.py), each with
+  ``at_s`` (seconds into the run, from ``meta["t0_wall"]``);
   ``meta["router_stalls"]``: the router's event-loop stalls over its life (this run):
   count and total seconds from its ``kvtier_router_event_loop_stall_seconds`` histogram
   (``/metrics`` at the end), the longest and each one's warning line from its log.
@@ -313,6 +315,11 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         rlog.read()
         res.meta["router_stalls"] = router_stalls(page(http, router.url), rlog.stalls,
                                                   rlog.longest_stall_s)
+        t0 = res.meta.get("t0_wall")
+        res.meta["path_switches"] = [
+            {**sw, "at_s": round(float(sw["ts"]) - float(t0), 1)}
+            if t0 is not None and isinstance(sw.get("ts"), (int, float)) else sw
+            for sw in rlog.switches]
         return res
 
 
@@ -336,6 +343,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
     total = sum(len(c.turns) for c in trace.conversations)
     bar = _bar(total, spec.name, opts.progress)
     t_run = time.perf_counter()
+    t_wall = time.time()  # the router's log lines carry wall-clock times
 
     capped = [0]  # ledger samples over the decode engines' blocks in use
 
@@ -439,7 +447,8 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
     else:
         source = "ledger, capped by decode KV in use" if capped[0] else "ledger"
     meta: dict[str, Any] = {
-        "t_end": t_end, "strategy_spec": spec.model_dump(), "nixl_xfer_time_s": xfer,
+        "t_end": t_end, "t0_wall": t_wall, "strategy_spec": spec.model_dump(),
+        "nixl_xfer_time_s": xfer,
         "engine_kv_usage": usage, "instances": target.instances, "topology": target.topology,
         "engine": probe.finish(http), "engine_kv_blocks": dict(probe.capacity),
         "device_blocks_source": source, "ledger_samples_capped": capped[0]}
