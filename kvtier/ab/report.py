@@ -57,6 +57,13 @@ def environment_meta(repo: Path | None = None) -> dict:
     meta["git_commit"] = _git(repo, "rev-parse", "HEAD")
     dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
     meta["git_dirty"] = bool(dirty) if dirty is not None else None
+    if meta["git_commit"] is None and os.environ.get("KVTIER_GIT_COMMIT"):
+        # a copy of the tree without .git (the lent GPU's): the caller says which commit
+        meta["git_commit"] = os.environ["KVTIER_GIT_COMMIT"]
+        meta["git_commit_from"] = "KVTIER_GIT_COMMIT"
+    ucx = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    if ucx:  # NIXL's transport settings change what a D->P read costs
+        meta["ucx_env"] = dict(sorted(ucx.items()))
     return meta
 
 
