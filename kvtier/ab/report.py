@@ -377,6 +377,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     if slo:
         lines += _slo_section(results, float(slo))
     lines += _stalls_section(results)
+    lines += path_cost_section(results)
     lines += _switches_section(results)
     lines += _refusal_table(results)
     lines += _hold_section(results)
@@ -598,6 +599,45 @@ def _stalls_section(results: Sequence[RunResult]) -> list[str]:
             "of the run; the warning lines from its log).", "",
             "| strategy | repeat | router pid | stalls | warnings |", "|---|---|---|---|---|",
             *rows, ""]
+
+
+def path_cost_table(results: Sequence[RunResult]) -> str:
+    """Median TTFT of the turns that took each reuse path, by context bucket (the router's
+    estimator's buckets, ``kvtier.cost.estimator``), over every strategy's turns that were
+    answered; "" without turns."""
+    from kvtier.cost.estimator import bucket_label, bucket_of
+
+    cells: dict[int, dict[str, list[float]]] = {}
+    for r in results:
+        for t in r.turns:
+            if t.ok and t.prompt_tokens > 0:
+                cells.setdefault(bucket_of(t.prompt_tokens), {}).setdefault(
+                    str(t.reuse_path), []).append(t.ttft_s)
+    if not cells:
+        return ""
+    paths = [p.value for p in REUSE_PATHS if any(p.value in c for c in cells.values())]
+    rows = ["| context (tokens) | " + " | ".join(paths) + " | cheapest |",
+            "|---|" + "---|" * (len(paths) + 1)]
+    for b in sorted(cells):
+        med = {p: statistics.median(xs) for p, xs in cells[b].items()}
+        row = [f"{statistics.median(cells[b][p]) * 1e3:,.0f} ms (n={len(cells[b][p])})"
+               if p in cells[b] else "–" for p in paths]
+        rows.append(f"| {bucket_label(b)} | " + " | ".join(row) + f" | {min(med, key=med.get)} |")
+    return "\n".join(rows)
+
+
+def path_cost_section(results: Sequence[RunResult]) -> list[str]:
+    """``path_cost_table`` with its words, or [] without turns."""
+    table = path_cost_table(results)
+    if not table:
+        return []
+    return ["## What each path cost here, by context", "",
+            "Median TTFT of the turns that took each path (none: recomputed), whichever "
+            "strategy took them, by the context buckets the router's estimator keeps. A "
+            "strategy that chooses the path per turn (tiered-adaptive) can at best take the "
+            "cheapest path of each turn, so it can beat a fixed strategy only where another "
+            "path is cheaper for a share of its turns. Turns of one bucket differ in "
+            "how much they reuse, so compare within a row with care.", "", table, ""]
 
 
 def _switches_section(results: Sequence[RunResult]) -> list[str]:

@@ -264,3 +264,23 @@ def test_the_report_says_when_the_router_switched_to_recomputing():
     assert "| tiered-adaptive | 1 |" not in text  # a repeat without a switch has no row
     assert "| tiered-adaptive | 1 | 42.5 |" in "\n".join(_switches_section([run([sw])]))
     assert _switches_section([run([]), RunResult("recompute", [], [], {})]) == []
+
+
+def test_the_report_shows_what_each_path_cost_by_context():
+    from kvtier.ab.records import TurnRecord
+    from kvtier.ab.report import path_cost_section, path_cost_table
+    from kvtier.ids import ReusePath
+
+    def turn(strategy: str, prompt: int, path: ReusePath, ttft: float, ok: bool = True):
+        return TurnRecord(strategy, "c", 1, prompt, 0, path, prompt, ttft, ttft, ok=ok)
+
+    a = RunResult("host-p2p", [turn("host-p2p", 1500, ReusePath.P2P, 0.070),
+                               turn("host-p2p", 1600, ReusePath.P2P, 0.080),
+                               turn("host-p2p", 700, ReusePath.NONE, 0.090)], [], {})
+    b = RunResult("recompute", [turn("recompute", 1500, ReusePath.NONE, 0.180),
+                                turn("recompute", 1500, ReusePath.NONE, 9.0, ok=False)], [], {})
+    table = path_cost_table([a, b])
+    assert "| context (tokens) | p2p | none | cheapest |" in table
+    assert "| 1024-2047 | 75 ms (n=2) | 180 ms (n=1) | p2p |" in table  # a failed turn: out
+    assert "| 512-1023 | – | 90 ms (n=1) | none |" in table
+    assert path_cost_section([RunResult("recompute", [], [], {})]) == []
