@@ -36,6 +36,7 @@ from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
 from tests.helpers import RedisServer
 from tests.reruns import rerun_allowed
+from tests.stillness import Stillness
 
 # Before anything maps much memory: khugepaged never scans this process or what it starts
 # (a starved khugepaged holding a process's memory-map lock froze a whole test run:
@@ -141,16 +142,31 @@ logging.getLogger("kvtier").addHandler(_WARNINGS)
 _NOTABLE = ("ERROR", "WARNING", "Error", "Traceback", "timed out", "Timeout")
 
 
+_STILL = pytest.StashKey[Stillness]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    item.stash[_STILL] = Stillness()  # how long the machine stands still during the test
+    yield
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """A failed test that ran on a stack gets its engines' notable log lines (warnings, errors,
     tracebacks; the last 12 of each instance) as a report section: a CI run keeps nothing else
     of them, and an engine-side hang or refusal is otherwise invisible there. Then kvtier's
-    own warnings during the test (a stalled router loop, with the line that blocked it)."""
+    own warnings during the test (a stalled router loop, with the line that blocked it). Every
+    failed test also says how long the machine stood still while it ran (no CPU ran at all:
+    ``tests/stillness.py``), so a CI failure under a stopped VM says so."""
     outcome = yield
     rep = outcome.get_result()  # type: ignore[attr-defined]
     if rep.when != "call" or not rep.failed:
         return
+    still = item.stash.get(_STILL, None)
+    if still is not None:
+        rep.sections.append(("machine", f"stood still {still.lost_s():.1f} s during this test "
+                                        "(wall time in which no CPU ran: tests/stillness.py)"))
     for pool in _POOLS:
         if pool.current is None:
             continue
