@@ -350,7 +350,12 @@ def engine_summary(engine: dict | None) -> dict:
     nan = float("nan")
 
     def mean(h: dict | None) -> float:
-        return h["sum"] / h["count"] if h and h.get("count") else nan
+        # A negative total is not a time: vLLM 0.32 observes a request that failed its KV load
+        # (failure_policy=fail) with a queue time of 0 minus its arrival on the monotonic
+        # clock (about -uptime: a live host-scarce run, 2026-12-06, summed -101,678 s over 2).
+        if not h or not h.get("count") or h["sum"] < 0:
+            return nan
+        return h["sum"] / h["count"]
 
     def p90(h: dict | None) -> float:
         if not h:

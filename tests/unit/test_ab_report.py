@@ -284,3 +284,16 @@ def test_the_report_shows_what_each_path_cost_by_context():
     assert "| 1024-2047 | 75 ms (n=2) | 180 ms (n=1) | p2p |" in table  # a failed turn: out
     assert "| 512-1023 | – | 90 ms (n=1) | none |" in table
     assert path_cost_section([RunResult("recompute", [], [], {})]) == []
+
+
+def test_an_engines_negative_queue_total_is_not_reported_as_a_mean():
+    import math
+
+    from kvtier.ab.records import engine_summary
+
+    bad = {"prefill": {"queue": {"buckets": [["0.3", 182.0], ["+Inf", 182.0]],
+                                 "sum": -101677.98, "count": 182.0}}}
+    assert math.isnan(engine_summary(bad)["prefill_queue_mean_s"])
+    good = {"prefill": {"queue": {"buckets": [["0.3", 2.0], ["+Inf", 2.0]], "sum": 0.01,
+                                  "count": 2.0}}}
+    assert engine_summary(good)["prefill_queue_mean_s"] == 0.005
