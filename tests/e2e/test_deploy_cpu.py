@@ -120,10 +120,12 @@ def cluster(request, stack_pool) -> Iterator[Cluster]:
 STILL_S = 10.0
 
 
-def _conversation(cluster: Cluster, conversation: str) -> tuple[list[tuple], float]:
+def _conversation(cluster: Cluster, conversation: str, seed: int = 0,
+                  ) -> tuple[list[tuple], float]:
     """Three turns through the two router pods in turn (A, B, A); each turn's (turn, the
     router's x-kvtier-reuse, prompt tokens the prefill read over NIXL, prompt tokens,
-    seconds), and the seconds the machine stood still meanwhile."""
+    seconds), and the seconds the machine stood still meanwhile. ``seed``: another seed gives
+    other token ids (a second conversation the prefill's own cache knows nothing of)."""
     routers = [cluster.url(p) for p in cluster.of("router")]
     prefill = cluster.url(cluster.of("prefill")[0])
     assert len(routers) == 2, routers
@@ -132,7 +134,7 @@ def _conversation(cluster: Cluster, conversation: str) -> tuple[list[tuple], flo
     still = Stillness()
     with httpx.Client(timeout=300, trust_env=False) as http:  # a loaded 2-core machine
         for turn in range(3):
-            prompt = history + _ids(turn, FIRST if turn == 0 else NEXT)
+            prompt = history + _ids(seed + turn, FIRST if turn == 0 else NEXT)
             ext0 = metric(http, prefill, EXT, source="external_kv_transfer")
             t0 = time.perf_counter()
             r = http.post(routers[turn % 2] + "/v1/completions", json={
@@ -170,7 +172,7 @@ def test_three_turns_through_the_router_service_reuse_kv(cluster: Cluster) -> No
         print(f"the machine stood still {lost:.0f} s during this conversation (no CPU ran: "
               f"tests/stillness.py), its checks failed: {str(e)[:300]}; once more, as a new "
               "conversation", flush=True)
-        seen, lost = _conversation(cluster, "deploy-cpu-conversation-2")
+        seen, lost = _conversation(cluster, "deploy-cpu-conversation-2", seed=100)
         _check(seen, cluster)
 
 
