@@ -622,7 +622,7 @@ def path_cost_table(results: Sequence[RunResult]) -> str:
         med = {p: statistics.median(xs) for p, xs in cells[b].items()}
         row = [f"{statistics.median(cells[b][p]) * 1e3:,.0f} ms (n={len(cells[b][p])})"
                if p in cells[b] else "–" for p in paths]
-        rows.append(f"| {bucket_label(b)} | " + " | ".join(row) + f" | {min(med, key=med.get)} |")
+        rows.append(f"| {bucket_label(b)} | " + " | ".join(row) + f" | {min(med, key=lambda p: med[p])} |")
     return "\n".join(rows)
 
 
