@@ -87,13 +87,13 @@ class PrefillLeg:
                                        self.cfg.block_size) if route is not None else None)
             offered = reuse is not None
             ids = turn.ids
+            prompt_tokens = len(ids) if ids is not None else 0
             path, tokens, reuse, source, choice = plan(
-                reuse, turn.decision, source, matched, p_inst.name,
-                len(ids) if ids is not None else 0, self.cost.decision_cost(), self.cost.explore)
+                reuse, turn.decision, source, matched, p_inst.name, prompt_tokens,
+                self.cost.decision_cost(), self.cost.explore)
             turn.log.choice = choice
             if choice is not None:
-                self.cost.chose(len(ids) if ids is not None else 0, path, choice.expected_s,
-                                choice.explored)
+                self.cost.chose(prompt_tokens, path, choice.expected_s, choice.explored)
             if offered and path is not ReusePath.DP_READ:
                 turn.log.refusal = Refusal.BELOW_THRESHOLD  # another path (or none) was cheaper
             kv = KVTransferParams.prefill_request(reuse=reuse, source=source)

@@ -620,9 +620,10 @@ def path_cost_table(results: Sequence[RunResult]) -> str:
             "|---|" + "---|" * (len(paths) + 1)]
     for b in sorted(cells):
         med = {p: statistics.median(xs) for p, xs in cells[b].items()}
-        row = [f"{statistics.median(cells[b][p]) * 1e3:,.0f} ms (n={len(cells[b][p])})"
-               if p in cells[b] else "–" for p in paths]
-        rows.append(f"| {bucket_label(b)} | " + " | ".join(row) + f" | {min(med, key=lambda p: med[p])} |")
+        row = [f"{med[p] * 1e3:,.0f} ms (n={len(cells[b][p])})" if p in med else "–"
+               for p in paths]
+        cheapest = min(med, key=lambda p: med[p])
+        rows.append(f"| {bucket_label(b)} | " + " | ".join(row) + f" | {cheapest} |")
     return "\n".join(rows)
 
 

@@ -315,11 +315,10 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
         rlog.read()
         res.meta["router_stalls"] = router_stalls(page(http, router.url), rlog.stalls,
                                                   rlog.longest_stall_s)
-        t0 = res.meta.get("t0_wall")
+        t0 = res.meta["t0_wall"]  # set by _replay
         res.meta["path_switches"] = [
-            {**sw, "at_s": round(float(sw["ts"]) - float(t0), 1)}
-            if t0 is not None and isinstance(sw.get("ts"), (int, float)) else sw
-            for sw in rlog.switches]
+            {**sw, "at_s": round(sw["ts"] - t0, 1)} if isinstance(sw.get("ts"), (int, float))
+            else sw for sw in rlog.switches]
         return res
 
 
