@@ -166,7 +166,8 @@ class RouterConfig(BaseModel):
     explore_margin: float = Field(0.25, ge=0.0)
     # adaptive retention: price device memory by each decode node's pressure, scraped from its
     # /metrics in the health loop (router/pressure.py; kvtier.cost.hold.pressure_factor:
-    # horizon × max(0.02, (1 - kv_cache_usage) / (1 + requests_waiting / hold_waiting_ref))).
+    # horizon × (1 - u) / max(u, 0.01) / (1 + requests_waiting / hold_waiting_ref), clipped to
+    # [0.02, 100], u = kv_cache_usage: the configured price at half full, less when emptier).
     hold_pressure: bool = False
     hold_waiting_ref: float = Field(4.0, gt=0)
     # Indexer pod namespace: model name the indexer knows; None = request's model.

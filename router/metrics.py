@@ -122,7 +122,8 @@ class RouterMetrics:
         # Decode pressure (router/pressure.py, hold_pressure): what prices a held turn.
         self.decode_pressure = Gauge(p + "decode_pressure", "Each decode node's KV pressure "
                                      "as last scraped: kv_cache_usage (0-1), requests_waiting, "
-                                     "and the hold price factor (1: idle)",
+                                     "and the factor on the hold price horizon (1: half full; "
+                                     "above 1: emptier, holds priced lower)",
                                      ["instance", "signal"], registry=r)
         # Decode leases (router/retention.py): the router's side of retained device KV.
         self.lease_calls = Counter(p + "lease_calls", "Calls to decode nodes' lease servers "

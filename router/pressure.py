@@ -8,9 +8,9 @@ With ``hold_pressure`` the router's health loop scrapes every decode instance's 
 - ``vllm:num_requests_waiting``: requests queued for a slot (the sum over series).
 
 ``factor(pod)`` turns them into the hold policy's price factor ``f`` (``kvtier.cost.hold.
-pressure_factor``: 1 when idle, smaller as the node fills). A node whose page did not answer,
-lacks the two metrics, or was last read more than ``STALE_AFTER`` health intervals ago counts
-as unknown: ``f = 1``, the configured price, as without pressure. Each node's figures are
+pressure_factor``: 1 at half full, larger on an emptier node, smaller as it fills). A node
+whose page did not answer, lacks the two metrics, or was last read more than ``STALE_AFTER``
+health intervals ago counts as unknown: ``f = 1``, the configured price, as without pressure. Each node's figures are
 exposed (``kvtier_router_decode_pressure{instance,signal}``).
 
 Threading model: one asyncio loop (the router's); ``sample`` runs in the health loop, the

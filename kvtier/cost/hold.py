@@ -18,16 +18,23 @@ same expected-gain-minus-holding-price rule the offline sweep uses):
 
 **Pressure.** Device memory is priced by ``horizon_s`` (``kvtier.cost.retention``: holding a
 turn that long costs as much as recomputing it). A constant price ignores whether the decode
-node needs the memory now; so ``choose`` takes the node's current pressure as a factor
-``f`` in (0, 1] (``pressure_factor``, from the node's ``vllm:kv_cache_usage_perc`` ``u`` in
+node needs the memory now; so ``choose`` takes the node's current pressure as a factor ``f``
+on that horizon (``pressure_factor``, from the node's ``vllm:kv_cache_usage_perc`` ``u`` in
 [0, 1] and ``vllm:num_requests_waiting`` ``q``)::
 
-    f(u, q) = max(PRESSURE_FLOOR, (1 - u) / (1 + q / waiting_ref))
-    horizon_effective = horizon_s · f        default hold = default_hold_s · f
+    f(u, q) = clip((1 - u) / max(u, USAGE_FLOOR) / (1 + q / waiting_ref),
+                   PRESSURE_FLOOR, PRESSURE_CEIL)
+    horizon_effective = horizon_s · f        default hold = default_hold_s · min(1, f)
 
-An idle node (u = 0, q = 0) is priced as configured; a full one, or one with requests
-waiting for blocks, makes every held second dearer, so holds shorten (``choose_device_ttl``'s
-best TTL never grows as the price per second rises) down to a release.
+The price of a held second is what the memory is worth to others now: the odds that a block
+is in use, ``u / (1 - u)``, times the queue. ``horizon_s`` is the price at a half-full node
+with nobody waiting (f = 1); an emptier node prices holds lower (memory nobody needs costs
+next to nothing: at 1% in use a held second is priced 1/99 of that), a fuller one, or one
+with requests waiting for blocks, higher, so holds shorten (``choose_device_ttl``'s best TTL
+never grows as the price per second rises) down to a release. A live host-scarce run showed
+why the idle price matters: priced as configured on a decode node 1-3% full, the policy held
+turns ~19-22 s where the waits ran to 30 s, and recomputed 11 turns that ``device-ttl``
+(holding 30 s) read.
 
 A choice of "do not retain" holds for 0 s (release at once). Every choice carries its inputs
 (``HoldChoice``) for the router's log line and metrics.
@@ -62,18 +69,24 @@ HOST_HELD_FRACTION = 0.5
 _T = TypeVar("_T")
 
 # The least share of the configured price horizon a node under pressure leaves (f > 0: a
-# horizon of 0 would price every held second as infinite).
+# horizon of 0 would price every held second as infinite), and the most an idle node gives
+# (a price of 0 would hold every turn as long as the store keeps it, whatever it gains).
 PRESSURE_FLOOR = 0.02
+PRESSURE_CEIL = 100.0
+# Usage below this counts as this (an empty node: u = 0 would make the odds 0).
+USAGE_FLOOR = 0.01
 
 
 def pressure_factor(usage: float, waiting: float, waiting_ref: float = 4.0) -> float:
-    """``f(u, q) = max(PRESSURE_FLOOR, (1 - u) / (1 + q / waiting_ref))`` (module
-    docstring): ``usage`` is clipped to [0, 1], ``waiting`` to >= 0."""
+    """``f(u, q) = clip((1 - u) / max(u, USAGE_FLOOR) / (1 + q / waiting_ref), PRESSURE_FLOOR,
+    PRESSURE_CEIL)`` (module docstring): 1 at half full with nobody waiting; ``usage`` is
+    clipped to [0, 1] (not finite: full), ``waiting`` to >= 0 (not finite: 0)."""
     if waiting_ref <= 0:
         raise ValueError(f"waiting_ref must be > 0, got {waiting_ref}")
     u = min(1.0, max(0.0, usage)) if math.isfinite(usage) else 1.0
     q = max(0.0, waiting) if math.isfinite(waiting) else 0.0
-    return max(PRESSURE_FLOOR, (1.0 - u) / (1.0 + q / waiting_ref))
+    f = (1.0 - u) / max(u, USAGE_FLOOR) / (1.0 + q / waiting_ref)
+    return min(PRESSURE_CEIL, max(PRESSURE_FLOOR, f))
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,7 @@ class HoldChoice:
     covers_wait_s: float  # the longest wait the hold is meant to cover (0: none)
     explanation: str
     host_odds: float = 0.0  # the chance the choice assumed that a host copy serves the next turn
-    pressure: float = 1.0   # the decode node's pressure factor f the price was scaled by
+    pressure: float = 1.0   # the decode node's factor f on the price horizon (1: as configured)
 
 
 class HoldPolicy:
@@ -149,8 +162,8 @@ class HoldPolicy:
 
     def choose(self, conversation: str, pressure: float = 1.0) -> HoldChoice:
         """How long to hold ``conversation``'s turn; ``pressure``: the decode node's factor
-        ``f`` (``pressure_factor``; 1: idle or unknown)."""
-        f = min(1.0, max(PRESSURE_FLOOR, pressure))
+        ``f`` (``pressure_factor``; 1: unknown, or priced as configured)."""
+        f = min(PRESSURE_CEIL, max(PRESSURE_FLOOR, pressure))
         own = self._conv.get(conversation)
         if own is not None and len(own) >= self.min_samples:
             waits, basis = list(own), "conversation"
@@ -163,15 +176,15 @@ class HoldPolicy:
                                   "no waits observed yet, but a device read is never faster "
                                   "than the host copy (p2p link no slower than dp_read) -> "
                                   "no device retention", 1.0, f)
-            hold = self.default_hold_s * f
+            hold = self.default_hold_s * min(1.0, f)
             return HoldChoice(hold, "default", 0, 0.0,
                               f"no waits observed yet: hold {self.default_hold_s:g} s x "
-                              f"pressure {f:.2g} = {hold:g} s", pressure=f)
+                              f"pressure {min(1.0, f):.2g} = {hold:g} s", pressure=f)
         horizon = (self.horizon_s or DEFAULT_HORIZON_S) * f
         odds = self.host_odds(conversation)
         c = choose_device_ttl(self.cost, waits, host_copy=odds, horizon_s=horizon)
         hold = c.ttl_s if c.retain else 0.0
-        why = c.explanation if f >= 1.0 else (f"decode pressure {f:.2g}: horizon "
+        why = c.explanation if f == 1.0 else (f"decode pressure {f:.2g}: horizon "
                                               f"{horizon:.3g} s; {c.explanation}")
         return HoldChoice(hold, basis, c.samples, c.covers_wait_s if c.retain else 0.0,
                           why, odds, f)

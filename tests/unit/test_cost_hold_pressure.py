@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from kvtier.cost.hold import PRESSURE_FLOOR, HoldPolicy, pressure_factor
+from kvtier.cost.hold import PRESSURE_CEIL, PRESSURE_FLOOR, HoldPolicy, pressure_factor
 from kvtier.cost.model import CostModel, LinkModel
 from kvtier.ids import PodId
 from kvtier.router.metrics import RouterMetrics
@@ -20,28 +20,35 @@ def _cost() -> CostModel:
                      reads={"dp_read": LinkModel(setup_s=0.004, bytes_per_s=4e9)})
 
 
-def test_the_pressure_factor_is_one_when_idle_and_falls_as_pressure_rises():
-    assert pressure_factor(0.0, 0) == 1.0
+def test_the_pressure_factor_is_one_at_half_full_and_falls_as_pressure_rises():
+    assert pressure_factor(0.5, 0) == 1.0
     usages = [pressure_factor(u, 0) for u in (0.0, 0.3, 0.6, 0.9, 1.0)]
     assert usages == sorted(usages, reverse=True) and usages[-1] == PRESSURE_FLOOR
+    assert PRESSURE_FLOOR < usages[-2] < 1.0 < usages[1] < usages[0] <= PRESSURE_CEIL
+    # memory nobody needs is priced next to nothing: at 1% in use the horizon is 99x
+    assert pressure_factor(0.01, 0) == pytest.approx(99.0)
+    assert pressure_factor(0.0, 0) == PRESSURE_CEIL
+    assert pressure_factor(float("nan"), 0) == PRESSURE_FLOOR  # unreadable usage: full
     waits = [pressure_factor(0.5, q) for q in (0, 1, 4, 16)]
-    assert waits == sorted(waits, reverse=True) and waits[2] == pytest.approx(0.25)
+    assert waits == sorted(waits, reverse=True) and waits[2] == pytest.approx(0.5)
 
 
 def test_given_decode_pressure_rising_holds_shorten():
     p = HoldPolicy(_cost(), host_copy=False, min_samples=3, horizon_s=60)
-    for w in (2.0, 10.0, 20.0, 30.0, 40.0):
+    for w in (2.0, 10.0, 20.0, 30.0, 40.0, 150.0):
         for _ in range(3):
             p.observe("c", w, 2000)
     holds = [p.choose("c", pressure_factor(u, q)).hold_s
              for u, q in ((0.0, 0), (0.5, 0), (0.8, 0), (0.8, 4), (0.95, 8))]
     assert holds == sorted(holds, reverse=True)
     assert holds[0] > holds[-1]          # it does shorten, not merely stay
-    assert holds[0] == p.choose("c").hold_s  # idle: as without pressure
+    assert holds[1] == p.choose("c").hold_s  # half full: as without pressure
+    assert holds[0] > holds[1]           # an empty node: dearer waits are worth covering
     assert holds[-1] == 0.0              # a full node with a queue: released at once
     # before any wait is observed, the default hold shortens too
     d = HoldPolicy(_cost(), host_copy=False, default_hold_s=30)
     assert d.choose("x").hold_s == 30 and d.choose("x", 0.5).hold_s == 15
+    assert d.choose("x", 99.0).hold_s == 30  # never beyond the configured default
     assert "pressure" in p.choose("c", 0.5).explanation
 
 
