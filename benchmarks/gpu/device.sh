@@ -86,7 +86,8 @@ case "$1" in
          DEADLINE=$(( T0 + ${BUDGET_S:-540} )) bash benchmarks/gpu/pd_bench.sh "$O" "${LENGTHS:-2000,8000,16000}" "${PROBE_REPS:-2}" ;;
   ab) echo "== t=$(( $(date +%s) - T0 )) kvtier ab"
       # kvtier ab on the GPU stack: 1P1D, both instances on the one GPU, trace + settings from
-      # benchmarks/traces/$AB_TRACE.jsonl. From a scratch folder: the checkout's kvtier/ (no
+      # benchmarks/traces/$AB_TRACE.jsonl (AB_ARGS=--single-engine: one engine per strategy,
+      # no P/D split, AB_STRATEGIES=recompute,host-p2p,vllm-offload). From a scratch folder: the checkout's kvtier/ (no
       # connectors/) must not shadow /tmp/kvt. A device-to-device copy first, the anchor of the
       # D->P reads' bandwidth.
       python3 -c 'import json,sys,torch

@@ -41,6 +41,14 @@ and ``decoder_kv_blocks_ttl`` when an instance starts, so the thresholds and the
 the cost model and the waits of the runs before it (``with_cost_model``), and no device
 retention at all when no TTL pays for the memory it holds.
 
+**One engine per strategy** (``single``, ``kvtier ab --single-engine``): the strategies that
+need no decode node -- ``recompute``, ``host-p2p`` (kvtier's host tier: on one engine, the
+engine's own copy of the previous turn) and ``vllm-offload`` -- each on one engine that serves
+whole turns, with no P/D split, no router and no indexer: the client talks to the engine, so
+no KV crosses a link between processes. It answers what a tier costs and brings back where
+the P->D and D->P moves play no part (on one GPU they cross an in-VM link far slower than a
+fleet's). Strategies that retain on a decode node have nothing to retain there and are refused.
+
 A ``StrategySpec`` is pure data; the live runner turns it into a
 ``StackSpec`` (``kvtier.ab.live.stacks.stack_spec_for``), a vLLM ``--kv-transfer-config``
 (``kv_transfer_config``) and router settings (``router_settings``); the
@@ -80,6 +88,8 @@ StrategyName = Literal["recompute", "device-ttl", "host-p2p", "tiered", "tiered-
 STRATEGY_NAMES: tuple[str, ...] = ("recompute", "device-ttl", "host-p2p", "tiered",
                                    "tiered-adaptive")
 GPU_STRATEGY_NAMES: tuple[str, ...] = ("vllm-offload",)
+# The strategies that run on one engine each (``StrategySpec.single``).
+SINGLE_ENGINE_NAMES: tuple[str, ...] = ("recompute", "host-p2p", "vllm-offload")
 
 # vLLM's NixlConnector defaults (docs/FACTS.md): 480 s decode TTL, 64-token recompute threshold.
 VLLM_DEFAULT_TTL_S = 480.0
@@ -151,7 +161,9 @@ class StrategySpec(BaseModel):
     host_bytes: int | None = Field(None, gt=0)
     prefix_caching: bool = False     # engines' own prefix cache (see module docstring)
     prefill: int = Field(1, ge=1)
-    decode: int = Field(1, ge=1)
+    decode: int = Field(1, ge=0)     # 0 only with single_engine
+    # One engine serves whole turns: no P/D split, no router, no indexer (``single``).
+    single_engine: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> StrategySpec:
@@ -168,6 +180,13 @@ class StrategySpec(BaseModel):
         if self.vllm_offload and self.host_tier:
             raise ValueError(f"{self.name}: vLLM's CPU offloading and kvtier's host tier "
                              "are alternatives, not one stack")
+        if self.single_engine:
+            if (self.prefill, self.decode) != (1, 0) or self.device_retention \
+                    or self.use_indexer:
+                raise ValueError(f"{self.name}: one engine per strategy is 1 instance, no "
+                                 "decode node, no device retention, no indexer")
+        elif self.decode < 1:
+            raise ValueError(f"{self.name}: a P/D stack needs a decode instance")
         return self
 
     # -- variants ---------------------------------------------------------------------------
@@ -275,9 +294,25 @@ class StrategySpec(BaseModel):
         return StrategySpec.model_validate({**self.model_dump(), "prefill": prefill,
                                             "decode": decode})
 
+    def single(self) -> StrategySpec:
+        """The same strategy on one engine per run (module docstring): its NIXL connector
+        dropped (nothing moves between processes), no peer fetch and no indexer (one engine
+        has no peer), the engine's host tier or vLLM's offloading serving its own turns.
+        Strategies that retain on a decode node are refused."""
+        if self.device_retention:
+            raise ValueError(
+                f"{self.name} retains KV on a decode node; one engine per strategy runs "
+                f"{', '.join(SINGLE_ENGINE_NAMES)}")
+        keep = tuple(n for n in self.kv_configs
+                     if load_config_file(n).get("kv_connector") not in NIXL_CONNECTORS)
+        return StrategySpec.model_validate({
+            **self.model_dump(), "kv_configs": keep, "peer_fetch": False, "use_indexer": False,
+            "min_cached_token_delta": 0, "prefill": 1, "decode": 0, "single_engine": True})
+
     # -- what the live runner starts ------------------------------------------------------
-    def kv_transfer_config(self, nixl_buffer_device: str | None = None) -> dict:
-        """The ``--kv-transfer-config`` of every instance, with this strategy's knobs set.
+    def kv_transfer_config(self, nixl_buffer_device: str | None = None) -> dict | None:
+        """The ``--kv-transfer-config`` of every instance, with this strategy's knobs set
+        (None: no connector, ``recompute`` on one engine).
 
         The knobs go through the connectors' config types (``NixlKnobs``,
         ``ParamsFeedConfig``, ``HostTierConfig``), and each child's config is validated
@@ -314,8 +349,8 @@ class StrategySpec(BaseModel):
                                           cpu_bytes_to_use=int(self.host_bytes))
                 _apply(extra, tier.model_dump(exclude_unset=True))
                 HostTierConfig.from_extra_config(extra)  # the file's keys and ours, whole
-        if len(children) == 1:
-            return children[0]
+        if len(children) <= 1:
+            return children[0] if children else None
         return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"connectors": children}}
 

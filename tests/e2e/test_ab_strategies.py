@@ -104,6 +104,36 @@ def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
         assert max(s.host_bytes_held for s in res.memory) > 0
 
 
+def test_one_engine_per_strategy_serves_whole_turns(stack_pool, tiny_model, tmp_path):
+    """``kvtier ab --single-engine`` (issue 29 item 3): recompute and kvtier's host tier, each
+    on one engine serving whole turns, no router and no P/D split; the engine's own prefix
+    cache is off, so a follow-up's history can only come from its host tier (a ``local``
+    read, counted by the engine itself), and the recompute engine reuses nothing."""
+    out: dict[str, RunResult] = {}
+    for name in ("recompute", "host-p2p"):
+        spec = builtin(name).single()
+        sspec = stack_spec_for(spec, tiny_model)
+        assert (sspec.prefill, sspec.decode) == (1, 0)
+        assert "--no-enable-prefix-caching" in sspec.extra_args
+        stack = stack_pool.get(sspec)
+        opts = RunOptions(model=tiny_model, kv_bytes_per_token=2048, log_dir=tmp_path,
+                          turn_timeout_s=E2E_TURN_TIMEOUT_S, progress=False,
+                          sample_interval_s=0.2)
+        res = out[name] = run_strategy(spec, short_trace(), opts, stack=stack)
+        assert len(res.turns) == 6 and [t.error for t in res.turns if not t.ok] == []
+        assert "services" not in res.meta and res.meta["topology"] == "1 engine (no P/D)"
+        for t in res.turns:  # streamed: the first token comes before the last
+            assert t.response_tokens == 16 and 0 < t.ttft_s < t.e2e_s, t
+        assert res.device_block_seconds() == 0.0
+    assert all(t.reuse_path == "none" and t.reused_tokens == 0 for t in out["recompute"].turns)
+    host = out["host-p2p"]
+    # the previous turn's prompt and answer, block-aligned, from the engine's host tier
+    assert all(t.reuse_path == "local" and t.reused_tokens >= 192 for t in host.follow_ups), \
+        [(t.reuse_path, t.reused_tokens) for t in host.follow_ups]
+    assert all(t.reused_tokens == 0 for t in host.turns if t.turn == 0)
+    assert max(s.host_bytes_held for s in host.memory) > 0
+
+
 def test_adaptive_short_ttl_hands_long_waits_to_the_host_copy(stack_pool, tiny_model, tmp_path):
     """tiered-adaptive as configured without decode leases (a fixed TTL chosen once, before the
     run), with the shortest device TTL the cost model picks (1 s: a device read pays only for the

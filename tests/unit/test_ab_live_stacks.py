@@ -108,6 +108,14 @@ def test_the_ab_command_refuses_local_flags_with_a_stack(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["ab", "--engine-metrics", "recompute=http://a:1"])
     assert "names the metrics pages of a --stack" in capsys.readouterr().err
+    # one engine per strategy has no P/D shape, no simulator fleet and starts its own engines
+    with pytest.raises(SystemExit):
+        main(["ab", "--single-engine", "--decode", "1", "--simulate"])
+    assert "not with --simulate, --decode" in capsys.readouterr().err
+    # a strategy that retains on a decode node has nothing to run on one engine
+    with pytest.raises(SystemExit, match="--single-engine: device-ttl retains KV"):
+        main(["ab", "--single-engine", "--strategies", "recompute,device-ttl",
+              "--out", "/nonexistent/never-written"])
 
 
 # ----------------------------------------------------------------- discovery ---------

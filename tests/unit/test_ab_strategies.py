@@ -244,3 +244,30 @@ def test_vllm_offload_is_refused_on_the_cpu_platform(monkeypatch):
         assert children(sspec.kv_transfer_config)["NixlConnector"]["kv_buffer_device"] == "cuda"
     finally:
         is_cpu_platform.cache_clear()
+
+
+def test_one_engine_per_strategy_drops_nixl_peers_and_the_decode_node():
+    """``--single-engine`` (issue 29 item 3): recompute has no connector at all, kvtier's host
+    tier and vLLM's offloading serve their own engine's turns, and nothing that retains on a
+    decode node is offered."""
+    r = builtin("recompute").single()
+    assert (r.prefill, r.decode, r.single_engine) == (1, 0, True)
+    assert r.kv_configs == () and r.kv_transfer_config() is None
+    sspec = stack_spec_for(r, "tiny")
+    assert (sspec.prefill, sspec.decode, sspec.kv_transfer_config) == (1, 0, None)
+    assert "--no-enable-prefix-caching" in sspec.extra_args  # history only from a tier
+    h = builtin("host-p2p").with_host_bytes(1 << 28).single()
+    cfg = h.kv_transfer_config()
+    assert cfg["kv_connector"] == "KVTierConnector"  # alone: no MultiConnector, no Nixl
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["peer_fetch"] is False and extra["cpu_bytes_to_use"] == 1 << 28
+    assert h.host_tier and not (h.use_indexer or h.peer_fetch)
+    o = builtin("vllm-offload").single()
+    assert o.kv_transfer_config()["kv_connector"] == "OffloadingConnector"
+    for name in ("device-ttl", "tiered", "tiered-adaptive"):
+        with pytest.raises(ValueError, match="decode node"):
+            builtin(name).single()
+    with pytest.raises(ValidationError, match="needs a decode instance"):
+        builtin("recompute").topology(1, 0)
+    with pytest.raises(ValidationError, match="one engine per strategy"):
+        StrategySpec.model_validate({**r.model_dump(), "decode": 1})

@@ -244,6 +244,24 @@ def test_adaptive_holds_the_conversations_whose_host_copies_are_evicted(node) ->
         assert evicted.hold_s > 0 and kept.hold_s == 0.0
 
 
+def test_adaptive_learns_a_wait_that_outlived_the_stored_turn(node) -> None:
+    """A conversation that comes back after its stored turn expired still reports its wait:
+    the hold policy must see the waits longer than what it held, or it never holds longer."""
+    _, server = node
+    cost = str(resolve_config_path("cost-tiny.json"))
+    for c, _, router in make(server.endpoint, retention="adaptive", cost_model=cost,
+                             host_copy=False, decode_kv_ttl_s=1.5, ttl_margin_s=0.5):
+        policy = router.retention.policy
+        assert policy is not None
+        assert complete(c, PROMPT, conv="late").status_code == 200
+        time.sleep(1.3)  # > the entry's 1 s: the store has let the turn go
+        assert complete(c, [*PROMPT, 11], conv="late").status_code == 200
+        assert 'kvtier_router_params_dropped_total{reason="expired"} 1.0' in \
+            c.get("/metrics").text
+        seen = policy.choose("another")
+        assert (seen.basis, seen.samples) == ("fleet", 1), seen
+
+
 def test_adaptive_needs_a_cost_model_with_a_dp_read_link() -> None:
     with pytest.raises(ValueError, match="retention: adaptive needs a cost_model"):
         RouterConfig.model_validate({"decode": [D_URL], "retention": "adaptive"})

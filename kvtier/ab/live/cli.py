@@ -3,6 +3,7 @@
     kvtier ab [--strategies recompute,device-ttl,host-p2p,tiered] [--trace FILE|--synthetic]
               [--out DIR] [--model tiny|bench|PATH] [--time-scale X]
               [--simulate [--slo-ttft-p90 SECONDS [--max-sessions N]]]
+    kvtier ab --single-engine [--strategies recompute,host-p2p] [--trace FILE|--synthetic] ...
     kvtier ab --stack STRATEGY=ROUTER_URL [--stack ...] [--engine-metrics STRATEGY=[ROLE=]URL,...]
               [--trace FILE|--synthetic] [--out DIR] [--model tiny|bench|PATH] [--time-scale X]
     kvtier calibrate [--model tiny] [--stack ROUTER_URL] [--simulate] [--out FILE]
@@ -17,6 +18,11 @@ measurements. ``--simulate`` runs only the simulator (cost model from
 regime trace's SLO) it then sizes the fleet: the most concurrent sessions of the
 trace (copies of its conversations) each strategy holds with a simulated TTFT
 p90 within the SLO (sizing.md, sizing.json).
+
+With ``--single-engine`` each strategy runs on one engine that serves whole turns: no P/D
+split, no router, no indexer, so no KV crosses a link between processes (recompute,
+host-p2p: kvtier's host tier, vllm-offload on a GPU; strategies that retain on a decode
+node are refused). The client talks to the engine; TTFT is the first streamed token.
 
 With ``--stack`` it starts nothing: each STRATEGY=ROUTER_URL is a stack already
 running (started by ``kvtier stack up`` and ``kvtier router``, or deployed),
@@ -67,6 +73,14 @@ def _ab(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
             p.error("--slo-ttft-p90 sizes the fleet by simulation: it needs --simulate")
         if args.engine_metrics and not args.stack:
             p.error("--engine-metrics names the metrics pages of a --stack")
+        if args.single_engine:
+            clash = [f for f, v in (("--stack", args.stack), ("--simulate", args.simulate),
+                                    ("--prefill", args.prefill), ("--decode", args.decode),
+                                    ("--decode-ttl", args.decode_ttl),
+                                    ("--cost-refit", args.cost_refit)) if v not in (None, False)]
+            if clash:
+                p.error(f"--single-engine runs one local engine per strategy (no P/D, no "
+                        f"router): not with {', '.join(clash)}")
         if args.stack:
             # what a running stack already is: its strategies, shape and settings
             local = [f for f, v in (("--strategies", args.strategies), ("--prefill", args.prefill),
@@ -134,6 +148,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--host-mib", type=float, default=None,
                    help="host tier size per instance in MiB (default: the regime file's, else "
                         "the config file's, 256)")
+    p.add_argument("--single-engine", action="store_true",
+                   help="one engine per strategy, serving whole turns: no P/D split, no router, "
+                        "no indexer (recompute, host-p2p; vllm-offload on a GPU)")
     p.add_argument("--prefill", type=int, default=None, help="prefill instances (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode instances (default 1)")
     p.add_argument("--cost", help="CostModel JSON (from kvtier calibrate --out)")

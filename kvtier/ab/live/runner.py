@@ -67,6 +67,12 @@ How each number is measured (also written into the report, ``MEASUREMENT``):
   count and total seconds from its ``kvtier_router_event_loop_stall_seconds`` histogram
   (``/metrics`` at the end), the longest and each one's warning line from its log.
 
+One engine per strategy (``StrategySpec.single``, ``kvtier ab --single-engine``): the stack is
+one engine and nothing else; the client talks to it (no router, no indexer), each turn
+streamed: its TTFT is the first token, its reuse the engine's own ``cached_tokens`` (a
+``local`` read: the engine's host tier or vLLM's offloading), host bytes its tier's gauge
+(``SINGLE_ENGINE_MEASUREMENT``).
+
 A stack that is already running (``run_on_stack``, ``kvtier ab --stack``) is replayed through
 its own router too, but its log is not this run's to read: no router log, no ledger. Each
 turn is streamed and its TTFT is the first token; device blocks are the decode nodes' own
@@ -116,7 +122,7 @@ from kvtier.ab.live.probes import (
     RouterLog,
     lease_metrics_urls,
 )
-from kvtier.ab.live.running import RunningStack, stream_turn
+from kvtier.ab.live.running import HOST_BYTES, RunningStack, stream_turn
 from kvtier.ab.live.running import host_bytes as running_host_bytes
 from kvtier.ab.live.scrape import metric, page, scrape
 from kvtier.ab.live.services import (
@@ -194,6 +200,20 @@ MEASUREMENT = {
 }
 
 
+# What a run with one engine per strategy measures differently (the rest as above).
+SINGLE_ENGINE_MEASUREMENT = {
+    "ttft_s": "one engine per strategy: client send -> first streamed token from the engine "
+              "(no router; the engine computes and decodes the turn)",
+    "e2e_s": "one engine per strategy: client send -> the stream's last event",
+    "reused_tokens": "one engine per strategy: the engine's usage.prompt_tokens_details."
+                     "cached_tokens (its host tier or vLLM's offloading; its own prefix cache "
+                     "is off); reuse_path local when > 0",
+    "device_blocks_retained": "one engine per strategy: none (no decode node retains KV)",
+    "host_bytes_held": "one engine per strategy: the host tier's kvtier_tier_bytes_held "
+                       "(vLLM's offloading exports no such gauge: 0)",
+}
+
+
 # ----------------------------------------------------------------- the run -----------
 @dataclass
 class RunOptions:
@@ -224,10 +244,11 @@ def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
     sspec = stack_spec_for(spec, opts.model, block_size=opts.block_size,
                            max_model_len=opts.max_model_len, extra_args=opts.extra_args,
                            role_args=opts.role_args, role_env=opts.role_env)
+    run = _run_single if spec.single_engine else _run_on
     if stack is not None:
-        return _run_on(spec, trace, opts, stack)
+        return run(spec, trace, opts, stack)
     with stack_provider(sspec, opts.log_dir / spec.name) as st:
-        return _run_on(spec, trace, opts, st)
+        return run(spec, trace, opts, st)
 
 
 def run_on_stack(spec: StrategySpec, stack: RunningStack, trace: Trace,
@@ -262,6 +283,33 @@ class Target:
     topology: str
     prefill_urls: list[str]
     router_log: RouterLog | None = None
+    direct: bool = False  # ``url`` is one engine, not a router (one engine per strategy)
+
+
+def _run_single(spec: StrategySpec, trace: Trace, opts: RunOptions,
+                stack: LocalStack) -> RunResult:
+    """Replay ``trace`` straight at ``stack``'s one engine (``StrategySpec.single``): no router
+    and no indexer are started; the engine's host tier, if any, is read from its own metrics
+    page."""
+    (inst,) = stack.instances
+    tier_page = f"http://127.0.0.1:{inst.spec.tier_metrics_port}"  # its /metrics
+
+    def host_bytes(c: httpx.Client) -> int:
+        if not spec.host_tier:
+            return 0
+        text = page(c, tier_page)
+        try:
+            return int(metric(text, HOST_BYTES)) if text is not None else 0
+        except ValueError:
+            return 0
+
+    target = Target(url=inst.url, model_name=Path(opts.model).name,
+                    engines=[Endpoint(inst.spec.name, inst.spec.role.value, inst.url)],
+                    decode_metrics=[], host_bytes=host_bytes,
+                    instances=[d["name"] for d in stack.describe()],
+                    topology="1 engine (no P/D)", prefill_urls=[inst.url], direct=True)
+    with httpx.Client(timeout=30) as http:
+        return _replay(spec, trace, opts, target, http)
 
 
 def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStack) -> RunResult:
@@ -397,7 +445,8 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
                                                    turn.response_tokens)
                     else:
                         gen, reuse, first = stream_turn(c, target.model_name, cid, rid, prompt,
-                                                        turn.response_tokens)
+                                                        turn.response_tokens,
+                                                        direct=target.direct)
                 except Exception as e:  # noqa: BLE001 - a failed turn is a record, not a crash
                     err = f"{type(e).__name__}: {e}"[:300]
                 t1 = time.perf_counter()

@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.ab.live.probes import BLOCK_SECONDS, RETAINED, Endpoint
 from kvtier.ab.live.scrape import metric, page
 from kvtier.ab.strategies import GPU_STRATEGY_NAMES, STRATEGY_NAMES, StrategySpec
+from kvtier.ids import ReusePath
 from kvtier.wire.reuse_headers import ReuseReport, parse_reuse_headers
 
 HOST_BYTES = "kvtier_tier_bytes_held"
@@ -379,21 +380,30 @@ class StreamError(RuntimeError):
 
 
 def stream_turn(c: httpx.Client, model: str, cid: str, rid: str, prompt: list[int],
-                max_tokens: int) -> tuple[list[int], ReuseReport, float | None]:
+                max_tokens: int, *, direct: bool = False,
+                ) -> tuple[list[int], ReuseReport, float | None]:
     """One turn through a running router, streamed: (generated ids, the router's reuse
     decision, ``perf_counter`` at the first token or None). ``ignore_eos`` makes the turn
-    generate exactly ``max_tokens``."""
-    body = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
-            "ignore_eos": True, "return_token_ids": True, "conversation_id": cid,
-            "stream": True}
+    generate exactly ``max_tokens``. ``direct``: ``c`` talks to one engine, not a router (one
+    engine per strategy): no conversation id is sent, and the reuse is the engine's own count
+    of prompt tokens it did not compute (the stream's usage, ``prompt_tokens_details.
+    cached_tokens``; vLLM's ``--enable-prompt-tokens-details``), as a ``local`` read."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "temperature": 0,
+                            "max_tokens": max_tokens, "ignore_eos": True,
+                            "return_token_ids": True, "stream": True}
+    if direct:
+        body["stream_options"] = {"include_usage": True}
+    else:
+        body["conversation_id"] = cid
     ids: list[int] = []
     first: float | None = None
+    cached: int | None = None
     done = False
     with c.stream("POST", "/v1/completions", json=body, headers={"x-request-id": rid}) as r:
         if r.status_code != 200:
             r.read()
             r.raise_for_status()
-        reuse = parse_reuse_headers(r.headers)
+        reuse = ReuseReport() if direct else parse_reuse_headers(r.headers)
         for line in r.iter_lines():
             if not line.startswith("data:"):
                 continue
@@ -409,12 +419,25 @@ def stream_turn(c: httpx.Client, model: str, cid: str, rid: str, prompt: list[in
                 if isinstance(got, list) and got:
                     first = time.perf_counter() if first is None else first
                     ids += got
+            if direct and isinstance(ev, dict) and isinstance(ev.get("usage"), dict):
+                cached = _cached_tokens(ev["usage"])
     if not done:
         raise StreamError("the stream ended without [DONE]")
     if not ids:
         # the router's answer is malformed: a bad value, not a caller passing a wrong type
         raise ValueError("router stream has no token_ids")  # noqa: TRY004
+    if direct:
+        n = cached or 0
+        reuse = ReuseReport(ReusePath.LOCAL if n > 0 else ReusePath.NONE, n)
     return ids, reuse, first
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """Prompt tokens an engine did not compute, from an OpenAI ``usage`` object (0: it does not
+    say, e.g. without ``--enable-prompt-tokens-details``)."""
+    details = usage.get("prompt_tokens_details")
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and n > 0 else 0
 
 
 def stacks_markdown(meta: dict[str, Any]) -> list[str]:
