@@ -204,7 +204,9 @@ class Retention:
 
     # ---- a turn was taken ------------------------------------------------------------
     def arrived(self, tenant: str, conversation: str) -> None:
-        """A conversation's next turn arrived: its wait feeds the adaptive policy."""
+        """A conversation's next turn arrived, whether or not its turn was still stored: its
+        wait feeds the adaptive policy (the waits that outlive a hold are the ones it must
+        see)."""
         last = self._last.pop((tenant, conversation), None)
         if last is not None and self.policy is not None:
             self.policy.observe(conversation, time.monotonic() - last[0], last[1])
