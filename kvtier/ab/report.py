@@ -371,7 +371,9 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
               "a verdict is given only when the whole interval is on one side of 1.", "",
               intervals_markdown(results), "", pairwise_markdown(results), ""]
     lines += ["## Targets, from this run's records (decided from the intervals)", "",
-              targets_markdown(evaluate_targets(results, decode_capacity(meta))), ""]
+              targets_markdown(evaluate_targets(results, decode_capacity(meta),
+                                               list(meta.get("failed_strategies") or ()))),
+              ""]
     lines += ["## Load, latency and memory (engines' own metrics)", "", load_table(results), ""]
     slo = (meta.get("regime") or {}).get("slo_ttft_p90_s")
     if slo:
@@ -560,7 +562,8 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
         "simulated": msgspec.to_builtins(list(simulated)) if simulated else None,
         "simulated_summary": [r.summary() for r in simulated] if simulated else None,
         "simulator_error": sim_error,
-        "targets": msgspec.to_builtins(evaluate_targets(results, decode_capacity(meta))),
+        "targets": msgspec.to_builtins(evaluate_targets(
+            results, decode_capacity(meta), list(meta.get("failed_strategies") or ()))),
         "intervals": [iv_doc(strategy_intervals(r)) for r in results],
         "paired_ttft": [{"a": p.a, "b": p.b, "ratio": p.ratio.to_dict(), "verdict": p.verdict}
                         for p in pairwise(results)],

@@ -188,14 +188,25 @@ def _memory(ad: RunResult | None, dt: RunResult | None,
             _t(HALF_NAME, HALF_GOAL, f"{shown_mem}, {shown}", both, mem)]
 
 
-def evaluate(results: Sequence[RunResult], decode_blocks: int | None = None) -> list[Target]:
+def evaluate(results: Sequence[RunResult], decode_blocks: int | None = None,
+             failed: Sequence[str] = ()) -> list[Target]:
     """Every target (``decode_blocks``: the decode nodes' KV capacity, ``decode_capacity``; a
-    device-block count above it leaves the memory targets not resolved)."""
+    device-block count above it leaves the memory targets not resolved). ``failed``: the
+    strategies of the run that failed (``meta["failed_strategies"]``): when a fixed one is
+    among them the best single strategy is unknown, and the targets measured against it are
+    not evaluated (a host-scarce run whose device-ttl failed would otherwise have judged
+    tiered-adaptive against host-p2p)."""
     by = {r.strategy: r for r in results}
     ad = by.get(ADAPTIVE)
     singles = {n: r for n, r in by.items() if n != ADAPTIVE and r.ok_turns}
     out = [_speedup(ad, by.get("recompute"))]
-    if ad is not None and ad.ok_turns and singles:
+    lost = sorted(n for n in failed if n != ADAPTIVE)
+    if lost:
+        why = f"– ({', '.join(lost)} failed: the best single strategy is unknown)"
+        out += [Target(n, g, why, None, "not evaluated", None)
+                for n, g in ((MEDIAN_NAME, MEDIAN_GOAL), (P90_NAME, P90_GOAL),
+                             (TPM_NAME, TPM_GOAL))]
+    elif ad is not None and ad.ok_turns and singles:
         out += [_within_median(ad, singles), _within_p90(ad, singles), _throughput(ad, singles)]
     else:
         out += [_none(MEDIAN_NAME, MEDIAN_GOAL), _none(P90_NAME, P90_GOAL),

@@ -129,3 +129,19 @@ def test_p90_3_percent_slower_is_missed_not_met() -> None:
     got = _status([best, ad])
     assert got["TTFT p90 vs the best single strategy"] == "missed"
     assert got["within 5% of the best single strategy"] == "missed"
+
+
+def test_a_run_whose_fixed_strategy_failed_does_not_judge_against_the_rest() -> None:
+    """A host-scarce run lost device-ttl (the best fixed strategy of the run before); judged
+    against the best of those left, tiered-adaptive's median read "met". With a fixed strategy
+    failed, the best single strategy is unknown: those targets are not evaluated."""
+    rc = _repeated("recompute", lambda i: 0.5 * (i + 1) ** 2, 0, 0)
+    ad = _repeated("tiered-adaptive", lambda i: 0.28, 800, 10)
+    assert _status([rc, ad])["within 5% of the best single strategy"] == "met"
+    out = {t.name: t for t in evaluate([rc, ad], failed=["device-ttl"])}
+    for name in ("within 5% of the best single strategy", "TTFT p90 vs the best single strategy",
+                 "turns per minute vs the best single strategy"):
+        assert out[name].status == "not evaluated"
+        assert "device-ttl failed" in out[name].value
+    # tiered-adaptive itself failing leaves nothing to judge: its targets say so already
+    assert evaluate([rc], failed=["tiered-adaptive"])[1].status == "not evaluated"

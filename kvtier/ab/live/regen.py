@@ -72,7 +72,8 @@ class Run:
         return self.doc["meta"]
 
     def targets(self) -> list[Target]:
-        return evaluate(self.results, decode_capacity(self.meta))
+        return evaluate(self.results, decode_capacity(self.meta),
+                        list(self.meta.get("failed_strategies") or ()))
 
     def sim_error(self) -> dict | None:
         if self.simulated:
