@@ -181,7 +181,7 @@ def stop(proc: subprocess.Popen[bytes], stop_s: float = 10.0) -> bool:
         return True
     except subprocess.TimeoutExpired:
         log.error("pid %d (%s) has not exited %g s after SIGKILL (stuck in the kernel?); "
-                  "going on without it", proc.pid, " ".join(map(str, proc.args))[:200],
+                  "going on without it", proc.pid, str(proc.args)[:200],
                   stop_s)
         return False
 
