@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--out", default=str(ROOT / "benchmarks/ab/2026-12-06-projection-gpu-mixed"))
+    r.add_argument("--out", default=str(ROOT / "benchmarks/ab/2026-12-07-projection-gpu-mixed-pressure-price"))
     t = sub.add_parser("table")
     t.add_argument("out")
     a = ap.parse_args(argv)

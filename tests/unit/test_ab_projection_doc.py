@@ -5,11 +5,17 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-RUN = ROOT / "benchmarks/ab/2026-12-06-projection-gpu-mixed"
+# session 19's (before holds were priced by the odds that decode memory is in use) and the
+# current code's
+RUNS = (ROOT / "benchmarks/ab/2026-12-06-projection-gpu-mixed",
+        ROOT / "benchmarks/ab/2026-12-07-projection-gpu-mixed-pressure-price")
 
 
-def test_the_committed_projection_table_regenerates_from_its_raw_reports():
+@pytest.mark.parametrize("RUN", RUNS, ids=lambda p: p.name)
+def test_the_committed_projection_table_regenerates_from_its_raw_reports(RUN):
     spec = importlib.util.spec_from_file_location("ab_projection",
                                                   ROOT / "benchmarks/ab_projection.py")
     assert spec is not None and spec.loader is not None
