@@ -212,8 +212,11 @@ def test_tiered_adaptive_holds_per_conversation_through_decode_leases(stack_pool
     from kvtier.cost.model import CostModel
 
     cost = CostModel.model_validate_json(resolve_config_path("cost-tiny.json").read_text())
+    # The configured price, as this test's premise says (recompute x w / H): priced by the
+    # decode node's pressure instead, a near-empty node makes every hold next to free and both
+    # conversations would be held (that pricing has its own tests: test_cost_hold_pressure).
     spec = builtin("tiered-adaptive").without_host_copy().with_cost_model(cost).model_copy(
-        update={"retention_horizon_s": HOLD_HORIZON_S})
+        update={"retention_horizon_s": HOLD_HORIZON_S, "hold_pressure": False})
     assert spec.router_settings()["retention"] == "adaptive"
     assert spec.router_settings()["hold_horizon_s"] == HOLD_HORIZON_S
     assert spec.router_settings()["host_copy"] is False
