@@ -32,8 +32,7 @@ import msgspec
 from kvtier.ab.compare import intervals_markdown, pairwise, pairwise_markdown, strategy_intervals
 from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
 from kvtier.ab.stats import at_most, first_bucket_bound
-from kvtier.ab.targets import decode_capacity
-from kvtier.ab.targets import evaluate as evaluate_targets
+from kvtier.ab.targets import evaluate_run
 from kvtier.ab.targets import markdown as targets_markdown
 from kvtier.runtime import cpu_info
 
@@ -371,9 +370,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
               "a verdict is given only when the whole interval is on one side of 1.", "",
               intervals_markdown(results), "", pairwise_markdown(results), ""]
     lines += ["## Targets, from this run's records (decided from the intervals)", "",
-              targets_markdown(evaluate_targets(results, decode_capacity(meta),
-                                               list(meta.get("failed_strategies") or ()))),
-              ""]
+              targets_markdown(evaluate_run(results, meta)), ""]
     lines += ["## Load, latency and memory (engines' own metrics)", "", load_table(results), ""]
     slo = (meta.get("regime") or {}).get("slo_ttft_p90_s")
     if slo:
@@ -562,8 +559,7 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
         "simulated": msgspec.to_builtins(list(simulated)) if simulated else None,
         "simulated_summary": [r.summary() for r in simulated] if simulated else None,
         "simulator_error": sim_error,
-        "targets": msgspec.to_builtins(evaluate_targets(
-            results, decode_capacity(meta), list(meta.get("failed_strategies") or ()))),
+        "targets": msgspec.to_builtins(evaluate_run(results, meta)),
         "intervals": [iv_doc(strategy_intervals(r)) for r in results],
         "paired_ttft": [{"a": p.a, "b": p.b, "ratio": p.ratio.to_dict(), "verdict": p.verdict}
                         for p in pairwise(results)],

@@ -68,8 +68,8 @@ def _t(name: str, goal: str, value: str, met: bool | None, iv: Interval | None) 
     return Target(name, goal, value, met, STATUS[met], iv.to_dict() if iv else None)
 
 
-def _none(name: str, goal: str) -> Target:
-    return Target(name, goal, "–", None, "not evaluated", None)
+def _none(name: str, goal: str, value: str = "–") -> Target:
+    return Target(name, goal, value, None, "not evaluated", None)
 
 
 def not_worse(iv: Interval, at: float = 1.0) -> bool | None:
@@ -203,9 +203,8 @@ def evaluate(results: Sequence[RunResult], decode_blocks: int | None = None,
     lost = sorted(n for n in failed if n != ADAPTIVE)
     if lost:
         why = f"– ({', '.join(lost)} failed: the best single strategy is unknown)"
-        out += [Target(n, g, why, None, "not evaluated", None)
-                for n, g in ((MEDIAN_NAME, MEDIAN_GOAL), (P90_NAME, P90_GOAL),
-                             (TPM_NAME, TPM_GOAL))]
+        out += [_none(MEDIAN_NAME, MEDIAN_GOAL, why), _none(P90_NAME, P90_GOAL, why),
+                _none(TPM_NAME, TPM_GOAL, why)]
     elif ad is not None and ad.ok_turns and singles:
         out += [_within_median(ad, singles), _within_p90(ad, singles), _throughput(ad, singles)]
     else:
@@ -213,6 +212,11 @@ def evaluate(results: Sequence[RunResult], decode_blocks: int | None = None,
                 _none(TPM_NAME, TPM_GOAL)]
     out += _memory(ad, by.get("device-ttl"), decode_blocks)
     return out
+
+
+def evaluate_run(results: Sequence[RunResult], meta: dict) -> list[Target]:
+    """``evaluate`` with what a run's ``meta`` says: its decode capacity and failed strategies."""
+    return evaluate(results, decode_capacity(meta), list(meta.get("failed_strategies") or ()))
 
 
 def markdown(targets: Sequence[Target]) -> str:

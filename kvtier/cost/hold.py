@@ -176,10 +176,11 @@ class HoldPolicy:
                                   "no waits observed yet, but a device read is never faster "
                                   "than the host copy (p2p link no slower than dp_read) -> "
                                   "no device retention", 1.0, f)
-            hold = self.default_hold_s * min(1.0, f)
+            k = min(1.0, f)  # never beyond the configured default
+            hold = self.default_hold_s * k
             return HoldChoice(hold, "default", 0, 0.0,
                               f"no waits observed yet: hold {self.default_hold_s:g} s x "
-                              f"pressure {min(1.0, f):.2g} = {hold:g} s", pressure=f)
+                              f"pressure {k:.2g} = {hold:g} s", pressure=f)
         horizon = (self.horizon_s or DEFAULT_HORIZON_S) * f
         odds = self.host_odds(conversation)
         c = choose_device_ttl(self.cost, waits, host_copy=odds, horizon_s=horizon)

@@ -50,7 +50,7 @@ from kvtier.ab.report import (
     markdown,
     simulation_error,
 )
-from kvtier.ab.targets import ADAPTIVE, Target, decode_capacity, evaluate
+from kvtier.ab.targets import ADAPTIVE, Target, evaluate, evaluate_run
 from kvtier.ab.targets import markdown as targets_markdown
 
 DOCS = ("AB.md", "../README.md")
@@ -72,8 +72,7 @@ class Run:
         return self.doc["meta"]
 
     def targets(self) -> list[Target]:
-        return evaluate(self.results, decode_capacity(self.meta),
-                        list(self.meta.get("failed_strategies") or ()))
+        return evaluate_run(self.results, self.meta)
 
     def sim_error(self) -> dict | None:
         if self.simulated:

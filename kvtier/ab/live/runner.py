@@ -122,7 +122,7 @@ from kvtier.ab.live.probes import (
     RouterLog,
     lease_metrics_urls,
 )
-from kvtier.ab.live.running import HOST_BYTES, RunningStack, stream_turn
+from kvtier.ab.live.running import RunningStack, stream_turn, tier_bytes
 from kvtier.ab.live.running import host_bytes as running_host_bytes
 from kvtier.ab.live.scrape import metric, page, scrape
 from kvtier.ab.live.services import (
@@ -295,13 +295,7 @@ def _run_single(spec: StrategySpec, trace: Trace, opts: RunOptions,
     tier_page = f"http://127.0.0.1:{inst.spec.tier_metrics_port}"  # its /metrics
 
     def host_bytes(c: httpx.Client) -> int:
-        if not spec.host_tier:
-            return 0
-        text = page(c, tier_page)
-        try:
-            return int(metric(text, HOST_BYTES)) if text is not None else 0
-        except ValueError:
-            return 0
+        return tier_bytes(c, [tier_page]) if spec.host_tier else 0
 
     target = Target(url=inst.url, model_name=Path(opts.model).name,
                     engines=[Endpoint(inst.spec.name, inst.spec.role.value, inst.url)],

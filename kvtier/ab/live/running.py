@@ -356,15 +356,7 @@ def reset_prefix_caches(http: httpx.Client, stack: RunningStack, wait_s: float =
 def host_bytes(http: httpx.Client, stack: RunningStack, block_bytes: int) -> int:
     """Host-tier bytes held now: the tiers' own gauges, else the indexer's block counts."""
     if stack.host_metrics:
-        total = 0.0
-        for u in stack.host_metrics:
-            text = page(http, u)
-            if text is not None:
-                try:
-                    total += metric(text, HOST_BYTES)
-                except ValueError:
-                    continue
-        return int(total)
+        return tier_bytes(http, stack.host_metrics)
     if stack.indexer is None:
         return 0
     try:
@@ -373,6 +365,20 @@ def host_bytes(http: httpx.Client, stack: RunningStack, block_bytes: int) -> int
                    for p in pods.values()) * block_bytes
     except (httpx.HTTPError, ValueError, AttributeError, TypeError):
         return 0
+
+
+def tier_bytes(http: httpx.Client, pages: Sequence[str]) -> int:
+    """Bytes the host tiers whose metrics ``pages`` are hold now (``kvtier_tier_bytes_held``);
+    a page that does not answer or parse counts 0."""
+    total = 0.0
+    for u in pages:
+        text = page(http, u)
+        if text is not None:
+            try:
+                total += metric(text, HOST_BYTES)
+            except ValueError:
+                continue
+    return int(total)
 
 
 class StreamError(RuntimeError):
