@@ -12,6 +12,10 @@ installed or only on ``PYTHONPATH``:
   ``kv_connector_module_path`` resolves through the factory, in the API server process too
   when it checks the children's CUDA-graph needs), and loading any connector class from it.
 
+The same registration adds ``"kvtier-peer"`` to vLLM's secondary-tier factory
+(``kvtier.connectors.peer_tier``): kvtier's peer fetch under vLLM's own CPU offloading, which
+vLLM builds without importing this package, so there it needs the entry point.
+
 Importing this package does not import vLLM; the classes load on first attribute access.
 Registration is idempotent.
 """
@@ -48,6 +52,16 @@ def register() -> None:
             KVConnectorFactory.register_connector(name, module, name)
         except ValueError:
             pass  # already registered: by the entry point or an earlier import
+    # kvtier's peer fetch as a secondary tier of vLLM's CPU offloading (TieringOffloadingSpec,
+    # "type": "kvtier-peer"); the class loads when a config names it.
+    from kvtier.connectors.compat import secondary_tier_factory
+
+    factory = secondary_tier_factory()
+    if factory is not None:
+        try:
+            factory.register_tier("kvtier-peer", "kvtier.connectors.peer_tier", "KVTierPeerTier")
+        except ValueError:
+            pass  # already registered
 
 
 # Imported by vLLM (through kv_connector_module_path) with no entry point: register here.

@@ -112,3 +112,39 @@ def nixl_pending_sends(connector: Any) -> dict[str, float]:
     sched = connector.connector_scheduler
     pending: dict[str, float] = sched._reqs_need_send
     return pending
+
+
+# -- vLLM's CPU offloading with secondary tiers (TieringOffloadingSpec) ----------------------
+
+def secondary_tier_factory() -> Any:
+    """vLLM's ``SecondaryTierFactory`` (``v1.kv_offload.tiering.factory``), or None where the
+    release has no tiering spec."""
+    try:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError:  # pragma: no cover - vLLM without tiering
+        return None
+    return SecondaryTierFactory
+
+
+def tier_job(job: Any) -> tuple[list[Any], list[int]]:
+    """A secondary-tier job's offload keys and primary-tier rows: ``JobMetadata.block_ids``
+    (vLLM 0.26) or ``TransferJob.chunk_ids`` (vLLM 0.32)."""
+    rows = getattr(job, "chunk_ids", None)
+    if rows is None:
+        rows = job.block_ids
+    return list(job.keys), [int(r) for r in rows]
+
+
+def offload_chunk_tokens(spec: Any) -> int:
+    """Tokens per offload key of an ``OffloadingSpec``: the first KV group's tokens per block
+    (``tokens_per_block``) times ``blocks_per_chunk`` (both 0.26 and 0.32)."""
+    per_block = spec.tokens_per_block
+    first = int(per_block[0]) if isinstance(per_block, (tuple, list)) else int(per_block)
+    return first * int(getattr(spec, "blocks_per_chunk", 1) or 1)
+
+
+def offload_model_name(spec: Any) -> str:
+    """The served model of an ``OffloadingSpec`` (``config.model.name``, 0.26 and 0.32), as
+    the peer handshake compares it: the path's last part."""
+    name = str(spec.config.model.name)
+    return name.rstrip("/").rsplit("/", 1)[-1] or name

@@ -18,7 +18,8 @@
 #   multi: pd_bench.sh, MultiConnector(NixlConnector, KVTierConnector) P/D and D->P;
 #   ab: kvtier ab on the GPU stack (AB_STRATEGIES, default recompute,host-p2p; AB_TRACE; AB_ARGS);
 #   none: no server.
-# SKIP_TESTS=1 skips tests/gpu and bench_copy, SKIP_COPY=1 bench_copy only; SCATTER=1 runs
+# SKIP_TESTS=1 skips tests/gpu and bench_copy, SKIP_COPY=1 bench_copy only, GPU_TESTS picks
+# test files (default tests/gpu); SCATTER=1 runs
 # bench_scatter.py (the scattered-block store, graph gather vs per-layer kernels) before the server
 # step; BUDGET_S: the server step ends by T0 + it (side: SIDE_S after it starts).
 # BENCH may name several steps, run in order: BENCH=side,ab.
@@ -62,7 +63,7 @@ echo "nixl: $(python3 -c 'import nixl; from nixl._api import nixl_agent; print(n
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader; df -h /dev/shm | tail -1
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "== t=$(( $(date +%s) - T0 )) tests/gpu"
-  (cd $K && python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$O/gpu-tests.txt")
+  (cd $K && python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$O/gpu-tests.txt")
   if [ "${SKIP_COPY:-0}" != 1 ]; then
     echo "== t=$(( $(date +%s) - T0 )) bench_copy"
     python3 benchmarks/gpu/bench_copy.py --out "$O/bench_copy.json" --reps ${REPS:-9}

@@ -155,3 +155,21 @@ def test_every_module_of_the_connectors_is_a_vllm_adapter():
     modules = sorted(Path(pkg.__file__).parent.glob("*.py"))
     assert len(modules) >= 5
     assert [p.name for p in modules if not imports_vllm(p)] == []
+
+
+def test_secondary_tier_interface_is_what_the_peer_tier_reads():
+    tiering = pytest.importorskip("vllm.v1.kv_offload.tiering.base")
+    from vllm.v1.kv_offload.config import OffloadingCacheConfig, OffloadingConfig, OffloadingModelConfig
+
+    assert compat.secondary_tier_factory() is not None
+    # 0.32 names the primary rows chunk_ids (0.26: JobMetadata.block_ids); compat reads either
+    job_cls = getattr(tiering, "TransferJob", None) or tiering.JobMetadata
+    fields = {f.name for f in dataclasses.fields(job_cls)}
+    assert {"job_id", "keys", "is_promotion", "req_context"} <= fields
+    assert fields & {"chunk_ids", "block_ids"}
+    assert {f.name for f in dataclasses.fields(OffloadingConfig)} >= {"model", "cache"}
+    assert "name" in {f.name for f in dataclasses.fields(OffloadingModelConfig)}
+    assert "blocks_per_chunk" in {f.name for f in dataclasses.fields(OffloadingCacheConfig)}
+    abstract = set(tiering.SecondaryTierManager.__abstractmethods__)
+    assert abstract <= {"lookup", "submit_store", "submit_load", "get_finished_jobs",
+                        "on_new_request", "drain_jobs"}, abstract
