@@ -34,6 +34,7 @@ Every tier call holds ``self.lock``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -112,7 +113,8 @@ class PeerTier:
         self.lock = threading.RLock()
         self.tier = HostTier(num_slots, row_bytes)
         self.pool = HostPool(num_slots, row_bytes)  # process-private: only this process copies
-        self.nixl = NixlPool(self.pool, f"{cfg.name}-{id(self):x}")
+        # Agent names must differ between peers: two processes can place this object alike.
+        self.nixl = NixlPool(self.pool, f"{cfg.name}-{os.getpid()}-{id(self):x}")
         self.identity = Identity(cfg.model, cfg.block_size, cfg.hash_label, LAYOUT, row_bytes)
         self.server = (PeerServer(self.tier, self.lock, self.nixl, self.identity, cfg.host,
                                   cfg.port) if cfg.port is not None else None)
