@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.hashing import RequestKeyHasher
-from kvtier.ids import ModelName, PodId, RequestKey, Tier
+from kvtier.ids import EngineBlockHash, ModelName, PodId, RequestKey, Tier
 from kvtier.indexer.fastdecode import RawTokens
 from kvtier.indexer.index import KVIndex
 from kvtier.indexer.keys import block_keys
@@ -110,6 +110,9 @@ class EventApplier:
         if ev.has_extra_keys:
             c.dropped["extra_keys"] += n
             return
+        if ev.block_size == 0 and not ev.token_ids and tier is not Tier.GPU:
+            self._stored_by_hash(pod, tier, ev.block_hashes, c)
+            return
         hasher = self.hashers.get(model, ev.lora_name)
         if ev.block_size != hasher.block_size:
             c.dropped["block_size_mismatch"] += n
@@ -139,6 +142,24 @@ class EventApplier:
             self.index.store(pod, tier, list(zip(ev.block_hashes, keys)))
         c.applied["BlockStored"] += 1
         c.blocks_stored += full
+
+    def _stored_by_hash(self, pod: PodId, tier: Tier, hashes: Sequence[EngineBlockHash],
+                        c: PodCounters) -> None:
+        """vLLM's CPU offloading (``OffloadingConnector``; its tiering spec allows no
+        self-describing events) names an offloaded block by its hash alone, no tokens, block
+        size 0. The engine's own stream announced the same hash with its tokens when the block
+        was computed, so the key is the one stored for it; a hash never announced is dropped."""
+        pairs = []
+        for h in hashes:
+            key = self.index.resolve(pod, h)
+            if key is not None:
+                pairs.append((h, key))
+        if len(pairs) < len(hashes):
+            c.dropped["unresolved_hash"] += len(hashes) - len(pairs)
+        if pairs:
+            self.index.store(pod, tier, pairs)
+            c.applied["BlockStored"] += 1
+            c.blocks_stored += len(pairs)
 
     def _removed(self, pod: PodId, ev: BlockRemoved, c: PodCounters) -> None:
         tier = self._tier(ev.medium, ev.group_idx, c, len(ev.block_hashes))

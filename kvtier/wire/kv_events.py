@@ -140,8 +140,11 @@ def decode_event(raw: Any) -> KVEvent:
     if kind == "BlockStored":
         tokens = m.get("token_ids")
         bs = m.get("block_size")
-        if not isinstance(tokens, list) or not isinstance(bs, int) or bs <= 0:
-            raise MalformedFrame("BlockStored needs token_ids (list) and block_size (int > 0)")
+        # block_size 0 with no tokens: vLLM's CPU offloading naming blocks by hash alone
+        if not isinstance(tokens, list) or not isinstance(bs, int) or bs < 0 or (
+                bs == 0 and tokens):
+            raise MalformedFrame("BlockStored needs token_ids (list) and block_size (int > 0, "
+                                 "or 0 with no tokens)")
         parent = m.get("parent_block_hash")
         return BlockStored(
             block_hashes=_hashes(m.get("block_hashes")),

@@ -139,3 +139,20 @@ def test_lora_blocks_live_in_their_own_namespace():
     _apply([ev.encode_stored([9], None, toks, 4, lora_name="adapter")], applier)
     assert idx.lookup(hashers.get("m").keys(toks)) == {}
     assert idx.lookup(hashers.get("m", "adapter").keys(toks)) == {("p", Tier.GPU): 1}
+
+
+def test_vllm_cpu_offload_events_name_blocks_by_hash_only():
+    """vLLM's OffloadingConnector (tiering spec: no self-describing events) sends CPU-medium
+    BlockStored with hashes, no tokens, block size 0: keyed by what the GPU stream announced."""
+    idx = MemoryIndex()
+    hashers = HasherCache(block_size=4)
+    applier = EventApplier(idx, hashers)
+    toks = list(range(200, 216))
+    eh = EngineHasher(4).hashes(toks)
+    keys = hashers.get("m").keys(toks)
+    c = _apply([ev.encode_stored(eh[:4], None, toks, 4),
+                ev.encode_stored(eh[:3], None, [], 0, medium="CPU", group_idx=0),
+                ev.encode_stored([987654], None, [], 0, medium="CPU", group_idx=0)], applier)
+    assert c.dropped == {"unresolved_hash": 1}
+    _apply([ev.encode_removed(eh[:4])], applier, counters=c)  # evicted from HBM
+    assert idx.lookup(keys) == {("p", Tier.CPU): 3}
