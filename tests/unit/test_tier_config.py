@@ -103,3 +103,28 @@ def test_shipped_configs_parse_and_carry_no_ports(path):
         assert c.pod == "prefill-0"
         if c.metrics:
             assert c.metrics_port == 8
+
+
+@pytest.mark.parametrize("name", ["vllm-offload-peer", "multi-nixl-vllm-offload-peer"])
+def test_cuda_peer_tier_configs_name_the_tier_vllm_loads_and_carry_no_ports(name):
+    """The CUDA host tier with kvtier's peer fetch (docs/gpu.md): vLLM's OffloadingConnector,
+    its tiering spec reached by module path, one "kvtier-peer" tier, ports from the env."""
+    cfg = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+    children = cfg["kv_connector_extra_config"]["connectors"] if "connectors" in \
+        cfg["kv_connector_extra_config"] else [cfg]
+    off = [c for c in children if c["kv_connector"] == "OffloadingConnector"]
+    assert len(off) == 1
+    extra = off[0]["kv_connector_extra_config"]
+    assert extra["offload_prompt_only"] is False
+    assert (extra["spec_name"], extra["spec_module_path"]) == \
+        ("KVTierTieringSpec", "kvtier.connectors.peer_tier")
+    [tier] = extra["secondary_tiers"]
+    assert tier["type"] == "kvtier-peer"
+    assert not [k for k in tier if "port" in k]
+    import inspect
+
+    from kvtier.connectors import peer_tier  # the module vLLM imports by spec_module_path
+
+    params = inspect.signature(peer_tier.KVTierPeerTier).parameters
+    assert set(tier) - {"type"} <= set(params), "a tier key the class does not take"
+    assert hasattr(peer_tier, extra["spec_name"])
