@@ -159,7 +159,11 @@ def test_every_module_of_the_connectors_is_a_vllm_adapter():
 
 def test_secondary_tier_interface_is_what_the_peer_tier_reads():
     tiering = pytest.importorskip("vllm.v1.kv_offload.tiering.base")
-    from vllm.v1.kv_offload.config import OffloadingCacheConfig, OffloadingConfig, OffloadingModelConfig
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingModelConfig,
+    )
 
     assert compat.secondary_tier_factory() is not None
     # 0.32 names the primary rows chunk_ids (0.26: JobMetadata.block_ids); compat reads either
