@@ -60,6 +60,9 @@ def environment_meta(repo: Path | None = None) -> dict:
         # a copy of the tree without .git (the lent GPU's): the caller says which commit
         meta["git_commit"] = os.environ["KVTIER_GIT_COMMIT"]
         meta["git_commit_from"] = "KVTIER_GIT_COMMIT"
+    gpus = _gpus()
+    if gpus:  # the card every GPU figure came from
+        meta["gpus"] = gpus
     ucx = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     if ucx:  # NIXL's transport settings change what a D->P read costs
         meta["ucx_env"] = dict(sorted(ucx.items()))
@@ -75,6 +78,17 @@ def _cpu_info() -> dict:
     """CPU model and the prefill-relevant ISA flags (``kvtier.runtime.cpu_info``)."""
     model, flags = cpu_info()
     return {"cpu_model": model, "cpu_isa": [f for f in _ISA if f in flags]} if model else {}
+
+
+def _gpus() -> list[str]:
+    """``nvidia-smi``'s name and driver of each GPU; empty where there is none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def _git(repo: Path, *args: str) -> str | None:
@@ -343,7 +357,8 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
         f"- Machine: {env.get('platform', '?')}, {env.get('cpu_count', '?')} CPUs"
         + (f" ({env['cpu_model']}; {', '.join(env.get('cpu_isa') or ['no AVX2'])})"
            if env.get("cpu_model") else "")
-        + (f", {env['memory_gib']} GiB" if "memory_gib" in env else ""),
+        + (f", {env['memory_gib']} GiB" if "memory_gib" in env else "")
+        + (f"; GPU: {'; '.join(env['gpus'])}" if env.get("gpus") else ""),
         f"- Model: {meta.get('model', '?')}",
         f"- Trace: {meta.get('trace', '?')} ({meta.get('conversations', '?')} conversations, "
         f"{meta.get('turns', '?')} turns)",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import os
+
 import pytest
 
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord
@@ -297,3 +299,20 @@ def test_an_engines_negative_queue_total_is_not_reported_as_a_mean():
     good = {"prefill": {"queue": {"buckets": [["0.3", 2.0], ["+Inf", 2.0]], "sum": 0.01,
                                   "count": 2.0}}}
     assert engine_summary(good)["prefill_queue_mean_s"] == 0.005
+
+
+def test_the_report_names_the_gpu_nvidia_smi_reports(tmp_path, monkeypatch):
+    """Every GPU figure states its card: ``nvidia-smi`` answers where there is one (a stand-in
+    script here, which has no GPU); none, no ``gpus`` key."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580.159.04'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    env = environment_meta()
+    assert env["gpus"] == ["NVIDIA H100 80GB HBM3, 580.159.04"]
+    md = write_report([run("recompute", 1.0, False)], tmp_path / "r", {"environment": env},
+                      plots=False)
+    assert "GPU: NVIDIA H100 80GB HBM3" in md.read_text()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert "gpus" not in environment_meta()

@@ -484,7 +484,9 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
                for u in target.prefill_urls) - xfer0
     split_transfer(records, xfer)
     records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
-    if ledger is None:
+    if target.direct:
+        source = "none (one engine per strategy: no decode node)"
+    elif ledger is None:
         source = "decode KV in use (vllm:kv_cache_usage_perc x num_gpu_blocks)"
     else:
         source = "ledger, capped by decode KV in use" if capped[0] else "ledger"
