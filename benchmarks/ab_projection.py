@@ -19,7 +19,7 @@ device TTL) and each host tier's share of the KV working set::
     .venv/bin/python benchmarks/ab_projection.py table benchmarks/ab/DIR   # projection.md
 
 ``run`` writes one ``kvtier ab --simulate`` output folder per regime and cost model (its
-``report.json`` is the raw result) and then the table; ``table`` regenerates the table from
+``report.json.gz`` is the raw result) and then the table; ``table`` regenerates the table from
 those folders alone. Every row is printed, whatever it says.
 
 Threading model: a single-threaded script.
@@ -28,7 +28,6 @@ Threading model: a single-threaded script.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import msgspec
 
 from kvtier.ab.compare import paired_ttft, strategy_intervals
+from kvtier.ab.rawdoc import has_raw, read_raw
 from kvtier.ab.records import RunResult
 from kvtier.ab.regimes import RegimeSettings, save_regime
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, WaitDist, synthetic
@@ -90,7 +90,7 @@ def run(out: Path) -> None:
 
 
 def _load(d: Path) -> list[RunResult]:
-    doc = json.loads((d / "report.json").read_text())
+    doc = read_raw(d)
     return msgspec.convert(doc["results"], list[RunResult])
 
 
@@ -102,7 +102,7 @@ def table(out: Path) -> str:
     for r in REGIMES:
         for link in COSTS:
             d = out / f"{regime_name(r)}-{link}"
-            if not (d / "report.json").exists():
+            if not has_raw(d):
                 rows.append(f"| {regime_name(r)} | {link} | not run | | | | |")
                 continue
             res = {x.strategy: x for x in _load(d)}

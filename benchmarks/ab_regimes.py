@@ -40,12 +40,12 @@ Threading model: a single-threaded script.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import msgspec
 
+from kvtier.ab.rawdoc import read_raw
 from kvtier.ab.records import RunResult
 from kvtier.ab.regimes import RegimeSettings, save_regime
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, WaitDist, synthetic
@@ -144,7 +144,7 @@ def gen(out_dir: Path) -> list[Path]:
 
 
 def load(d: Path) -> tuple[dict, list[RunResult]]:
-    doc = json.loads((d / "report.json").read_text())
+    doc = read_raw(d)
     return doc["meta"], msgspec.convert(doc["results"], list[RunResult])
 
 

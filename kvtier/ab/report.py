@@ -2,7 +2,7 @@
 
 ``write_report(results, out_dir, meta, simulated=...)`` writes
 
-- ``report.json``: every record, each strategy's summary, the run's metadata
+- ``report.json.gz`` (``kvtier.ab.rawdoc``): every record, each strategy's summary, the run's metadata
   and (when given) the simulator's predictions and their error;
 - ``report.md``: machine, model, trace, commit, how things were measured, the
   summary table, TTFT per context bucket, the simulator's error;
@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from kvtier.ab.compare import intervals_markdown, pairwise, pairwise_markdown, strategy_intervals
+from kvtier.ab.rawdoc import write_raw
 from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
 from kvtier.ab.stats import at_most, first_bucket_bound
 from kvtier.ab.targets import evaluate_run
@@ -560,7 +561,7 @@ def iv_doc(s: Any) -> dict:
 def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
                  simulated: Sequence[RunResult] | None = None,
                  sim_error: dict | None = None, plots: bool = True) -> Path:
-    """Write report.json, report.md and the PNGs into ``out_dir``; returns report.md."""
+    """Write report.json.gz, report.md and the PNGs into ``out_dir``; returns report.md."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(meta)
@@ -579,7 +580,7 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
         "paired_ttft": [{"a": p.a, "b": p.b, "ratio": p.ratio.to_dict(), "verdict": p.verdict}
                         for p in pairwise(results)],
     }
-    (out / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc)))
+    write_raw(out, doc)
     md = out / "report.md"
     md.write_text(markdown(results, meta, sim_error, simulated, plots=plots))
     if plots:

@@ -17,7 +17,6 @@ released first. Their shapes differ, so the report measures both and simulates n
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import httpx
 import pytest
 
 from kvtier.ab.live.lock import e2e_lock
+from kvtier.ab.rawdoc import read_raw
 from kvtier.runtime import free_ports
 from tests.e2e.pd import stop_group
 from tests.helpers import wait_until
@@ -135,7 +135,7 @@ def test_kvtier_ab_against_two_running_stacks(routers, tmp_path) -> None:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     print(log.read_text()[-3000:])
     assert rc == 0, log.read_text()[-5000:]
-    doc = json.loads((out / "report.json").read_text())
+    doc = read_raw(out)
     results = {r["strategy"]: r for r in doc["results"]}
     assert list(results) == list(STACKS)
     for name, r in results.items():

@@ -15,6 +15,7 @@ import pytest
 
 from kvtier.ab.live.runner import MEASUREMENT, RunOptions, run_strategy
 from kvtier.ab.live.stacks import stack_spec_for
+from kvtier.ab.rawdoc import read_raw
 from kvtier.ab.records import RunResult
 from kvtier.ab.report import PLOTS, write_report
 from kvtier.ab.strategies import STRATEGY_NAMES, builtin
@@ -170,7 +171,7 @@ def test_report_from_real_runs(tmp_path):
                                           "measurement": MEASUREMENT})
     for p in PLOTS:
         assert (tmp_path / p).stat().st_size > 1000
-    doc = json.loads((tmp_path / "report.json").read_text())
+    doc = read_raw(tmp_path)
     assert {s["strategy"] for s in doc["summary"]} == set(RESULTS)
     by = {s["strategy"]: s for s in doc["summary"]}
     if "recompute" in by and "device-ttl" in by:

@@ -27,6 +27,7 @@ from kvtier.ab.live.running import (
     stream_turn,
     verify,
 )
+from kvtier.ab.rawdoc import read_raw
 from kvtier.ab.strategies import builtin
 from kvtier.ids import Outcome, ReusePath
 
@@ -307,7 +308,7 @@ def test_kvtier_ab_against_two_running_routers_writes_the_report(two_routers, tm
                "--conversations", "2", "--turns", "3", "--time-scale", "0.01",
                "--out", str(out), "--no-progress"])
     assert rc == 0
-    doc = json.loads((out / "report.json").read_text())
+    doc = read_raw(out)
     assert [r["strategy"] for r in doc["results"]] == ["device-ttl", "recompute"]
     for r in doc["results"]:
         assert len(r["turns"]) == 6 and all(t["ok"] for t in r["turns"]), r["turns"]

@@ -4,12 +4,11 @@ live runner is covered by tests/e2e/test_ab_strategies.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from kvtier.ab.live.common import prior_cost_model
 from kvtier.ab.live.sweep import run_sweep
+from kvtier.ab.rawdoc import read_raw
 from kvtier.ab.report import write_report
 from kvtier.ab.simulator import FleetSpec, simulate
 from kvtier.ab.strategies import parse_list
@@ -49,7 +48,7 @@ def test_a_failing_strategy_is_recorded_and_the_rest_still_run(tmp_path):
     md = write_report(sw.results, tmp_path, {"trace": "t", "failed_strategies": sw.failed},
                       plots=False).read_text()
     assert "Incomplete run" in md and "decode-0 exited during start" in md
-    doc = json.loads((tmp_path / "report.json").read_text())
+    doc = read_raw(tmp_path)
     assert doc["meta"]["failed_strategies"] == sw.failed
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
+from kvtier.ab.rawdoc import read_raw
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord
 from kvtier.ab.report import PLOTS, environment_meta, simulation_error, summary_table, write_report
 
@@ -43,7 +43,7 @@ def test_report_files_and_numbers(tmp_path):
     for p in PLOTS:
         assert (tmp_path / p).stat().st_size > 1000, p
     assert "synthetic-test" in text and "tiny" in text and "CPUs" in text
-    doc = json.loads((tmp_path / "report.json").read_text())
+    doc = read_raw(tmp_path)
     commit = doc["meta"]["environment"]["git_commit"]  # others may commit meanwhile: use the report's
     assert len(commit) == 40 and commit in text
     assert doc["meta"]["environment"]["cpu_count"] == environment_meta()["cpu_count"]
@@ -85,7 +85,7 @@ def test_repeats_are_shown_each(tmp_path):
     row = [ln for ln in text.splitlines() if ln.startswith("| device-ttl |") and " / " in ln][0]
     p50s = [float(x) for x in row.split("|")[2].split("/")]
     assert p50s[1] == pytest.approx(3 * p50s[0], rel=0.01)
-    doc = json.loads((tmp_path / "report.json").read_text())
+    doc = read_raw(tmp_path)
     assert {s["strategy"]: s for s in doc["summary"]}["device-ttl"]["device_block_s"] == \
         pytest.approx(32.0)  # per run, not two runs' worth
 
@@ -105,7 +105,7 @@ def test_report_shows_intervals_verdicts_and_engine_numbers(tmp_path):
     assert "Regime: pressure" in md and "TTFT p90 SLO (500 ms)" in md
     assert "| recompute | – | – | 500.0 |" in md  # decode queue mean from the engine histogram
     assert "expired" in md
-    doc = json.loads((tmp_path / "report.json").read_text())
+    doc = read_raw(tmp_path)
     assert [p["verdict"] for p in doc["paired_ttft"]] == ["faster"]
     assert doc["intervals"][0]["ttft_p50_s"]["n"] == 9
     assert doc["intervals"][0]["ttft_p50_s"]["clusters"] == 3

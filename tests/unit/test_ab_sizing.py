@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvtier.ab.rawdoc import read_raw
 from kvtier.ab.regimes import RegimeSettings, save_regime
 from kvtier.ab.simulator import FleetSpec, simulate
 from kvtier.ab.sizing import SizingAnswer, scale_trace, size_for_slo
@@ -172,7 +173,7 @@ def test_cli_sizes_after_the_simulation(tmp_path, model_dir, capsys):
     md = (out / "sizing.md").read_text()
     assert md.startswith("# Sizing at the TTFT SLO (simulated)") and "`host-p2p`" in md
     assert (out / "report.md").exists()  # the normal simulated report is still written
-    assert "--slo-ttft-p90 0.5" in json.loads((out / "report.json").read_text())["meta"]["command"]
+    assert "--slo-ttft-p90 0.5" in read_raw(out)["meta"]["command"]
 
 
 def test_cli_takes_the_slo_and_decode_capacity_from_a_regime(tmp_path, model_dir):
@@ -215,10 +216,10 @@ SIZING_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "sizing" \
 
 
 def test_the_committed_sizing_is_what_its_command_writes(tmp_path):
-    """benchmarks/sizing/...: the command in its report.json, rerun, writes the same
+    """benchmarks/sizing/...: the command in its report.json.gz, rerun, writes the same
     sizing.json, and the sizing answer AB.md quotes is that file's (issue 30: the sizing the
     text cites has committed output)."""
-    command = json.loads((SIZING_DIR / "report.json").read_text())["meta"]["command"].split()
+    command = read_raw(SIZING_DIR)["meta"]["command"].split()
     assert command[:2] == ["kvtier", "ab"] and "--simulate" in command
     out = command.index("--out") + 1
     command[out] = str(tmp_path / "sizing")

@@ -8,7 +8,7 @@ simulator's error next to the measurements. ``--simulate`` runs only the simulat
 model from ``--cost FILE`` or the built-in prior); with a TTFT p90 SLO (``--slo-ttft-p90``, else
 the regime's ``slo_ttft_p90_s``) it then sizes the fleet: the concurrent sessions each
 strategy holds at the SLO (``kvtier.ab.sizing``; ``sizing.md``, ``sizing.json``). ``ab-report``
-re-renders a live run's report from its ``report.json`` with this checkout's code.
+re-renders a live run's report from its ``report.json.gz`` with this checkout's code.
 
 ``--stack STRATEGY=ROUTER_URL`` (repeated) runs on stacks already running instead of starting
 local ones (``kvtier.ab.live.running``): the strategy names label them, their shape and block
@@ -30,7 +30,6 @@ threads).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shlex
 import time
@@ -58,6 +57,7 @@ from kvtier.ab.live.running import (
     verify,
 )
 from kvtier.ab.live.sweep import run_sweep
+from kvtier.ab.rawdoc import read_raw
 from kvtier.ab.records import RunResult, merge_repeats
 from kvtier.ab.regimes import RegimeSettings, read_regime, save_regime
 from kvtier.ab.report import environment_meta, summary_table, write_report
@@ -396,14 +396,14 @@ def finish_report(results: list[RunResult], specs_as_run: list[StrategySpec], wa
 
 
 def run_ab_report(args: argparse.Namespace) -> int:
-    """Re-render a live run's report from its report.json with this checkout's code."""
+    """Re-render a live run's report from its report.json.gz with this checkout's code."""
     import re
 
     import msgspec
 
     src = Path(args.dir)
     try:
-        doc = json.loads((src / "report.json").read_text())
+        doc = read_raw(src)
         trace = Trace.load(src / "trace.jsonl")
     except (OSError, ValueError) as e:
         raise SystemExit(f"{src}: not a kvtier ab output directory ({e})") from None
@@ -415,7 +415,7 @@ def run_ab_report(args: argparse.Namespace) -> int:
     if kvbpt is None:
         m = re.search(r"KV (\d+) B/token", meta.get("topology", ""))
         if not m:
-            raise SystemExit(f"{src}: report.json does not say the KV bytes per token")
+            raise SystemExit(f"{src}: its report does not say the KV bytes per token")
         kvbpt = int(m.group(1))
     if "prefill" in meta and "decode" in meta:
         prefill, decode = int(meta["prefill"]), int(meta["decode"])

@@ -177,12 +177,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     c.set_defaults(func=run_calibrate)
 
     r = subparsers.add_parser("ab-report", help="re-render a live kvtier ab run's report "
-                                                "(refit, re-simulate, targets) from its report.json")
+                                                "(refit, re-simulate, targets) from its report.json.gz")
     rg = r.add_mutually_exclusive_group(required=True)
-    rg.add_argument("dir", nargs="?", help="the run's --out directory (report.json, trace.jsonl)")
+    rg.add_argument("dir", nargs="?", help="the run's --out directory (report.json.gz, trace.jsonl)")
     rg.add_argument("--all", metavar="ROOT", dest="all_root",
                     help="regenerate every committed report under ROOT/ab/*/ (report.md, "
-                         "regime-table.md, report.json's derived keys) and the generated blocks "
+                         "regime-table.md, report.json.gz's derived keys) and the generated blocks "
                          "of ROOT/AB.md and ROOT/../README.md from their raw JSON, no refit "
                          "(e.g. --all benchmarks)")
     r.add_argument("--out", default=None, help="where to write (default: the same directory)")

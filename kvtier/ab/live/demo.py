@@ -19,13 +19,13 @@ Threading model: runs on the caller's thread (the runner owns its helper threads
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import msgspec
 
 from kvtier.ab.compare import paired_ttft
 from kvtier.ab.live.ab import run_ab
+from kvtier.ab.rawdoc import read_raw
 from kvtier.ab.records import RunResult
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, WaitDist, synthetic
 
@@ -60,7 +60,7 @@ def run_demo(args: argparse.Namespace) -> int:
         repeats=1)
     rc = run_ab(ns)
     try:
-        doc = json.loads((out / "report.json").read_text())
+        doc = read_raw(out)
     except (OSError, ValueError):
         return rc
     results = msgspec.convert(doc["results"], list[RunResult])

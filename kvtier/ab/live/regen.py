@@ -1,6 +1,6 @@
 """``kvtier ab-report --all ROOT``: every committed A/B report, regenerated from its raw JSON.
 
-Each run directory under ``ROOT/ab/`` keeps the raw records in ``report.json`` (``results``,
+Each run directory under ``ROOT/ab/`` keeps the raw records in ``report.json.gz`` (``results``,
 ``simulated``, ``meta``); everything a reader sees is derived from them by this checkout's code,
 so a change to the statistics or to a verdict's rule reaches every report at once and no stale
 verdict survives:
@@ -8,7 +8,7 @@ verdict survives:
 - ``report.md`` of every run (``kvtier.ab.report.markdown``; the simulator's error recomputed
   from the stored simulation, no refit: ``kvtier ab-report DIR`` refits and re-simulates);
 - ``regime-table.md`` where a run has one (``regime_table``; its first line names the regime);
-- the derived keys of ``report.json`` (summary, targets, intervals, paired ratios, simulator
+- the derived keys of ``report.json.gz`` (summary, targets, intervals, paired ratios, simulator
   error), rewritten in place by ``write_all`` (the records themselves are left as they are);
 - the generated blocks of Markdown documents (``ROOT/AB.md`` and ``ROOT/../README.md``)::
 
@@ -30,7 +30,6 @@ Threading model: pure functions over files; call from one thread.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from typing import Any
 import msgspec
 
 from kvtier.ab.compare import intervals_markdown, pairwise, pairwise_markdown, strategy_intervals
+from kvtier.ab.rawdoc import has_raw, raw_path, read_raw, write_raw
 from kvtier.ab.records import RunResult
 from kvtier.ab.report import (
     PLOTS,
@@ -81,14 +81,14 @@ class Run:
 
 
 def load_run(path: Path) -> Run:
-    doc = json.loads((path / "report.json").read_text())
+    doc = read_raw(path)
     sim = doc.get("simulated")
     return Run(path, doc, msgspec.convert(doc["results"], list[RunResult]),
                msgspec.convert(sim, list[RunResult]) if sim else None)
 
 
 def run_dirs(root: Path) -> list[Path]:
-    return sorted(p.parent for p in (root / "ab").glob("*/report.json"))
+    return sorted(p for p in (root / "ab").glob("*/") if has_raw(p))
 
 
 def report_md(run: Run) -> str:
@@ -97,7 +97,7 @@ def report_md(run: Run) -> str:
 
 
 def derived(run: Run) -> dict[str, Any]:
-    """The keys of ``report.json`` computed from its records (``write_report``'s)."""
+    """The keys of ``report.json.gz`` computed from its records (``write_report``'s)."""
     return {"summary": [r.summary() for r in run.results],
             "simulated_summary": [r.summary() for r in run.simulated] if run.simulated else None,
             "simulator_error": run.sim_error(),
@@ -255,7 +255,7 @@ def regenerate(root: Path) -> dict[Path, str]:
 
 def write_all(root: Path) -> list[Path]:
     """Regenerate and write every file of ``regenerate``, and the derived keys of every
-    ``report.json``; returns the files whose bytes changed."""
+    ``report.json.gz``; returns the files whose contents changed."""
     changed = []
     for path, text in regenerate(root).items():
         if not path.exists() or path.read_text() != text:
@@ -264,9 +264,6 @@ def write_all(root: Path) -> list[Path]:
     for d in run_dirs(root):
         run = load_run(d)
         doc = {**run.doc, **derived(run)}
-        data = msgspec.json.format(msgspec.json.encode(doc))
-        f = d / "report.json"
-        if f.read_bytes() != data:
-            f.write_bytes(data)
-            changed.append(f)
+        if write_raw(d, doc):
+            changed.append(raw_path(d))
     return changed
