@@ -35,6 +35,12 @@ The rendered objects are the source of truth; what differs from a cluster is lis
   the cluster fails at once, as no cluster DNS answers here.
 - **Probes** are run by ``Cluster.probe`` from the root namespace (as the kubelet does, from the
   node): HTTP GET, TCP connect, or the exec command in the pod's namespace.
+- **Processes.** Each container is a process group of its own (``stop`` signals the group), in
+  the test's session: Linux schedules each session as one group (autogroup), so containers
+  started as sessions of their own would each take a full share of a busy core whatever their
+  threads' nice levels, and the engines' NIXL progress threads, which spin and which the test
+  demotes (``kvtier.devstack.placement``), would take half of the other engine's core, as a
+  cluster's CPU limits would not let them.
 - **Not emulated:** NetworkPolicies (no CNI), resource requests and limits, security contexts.
 
 Threading model: one thread (the test's) drives a ``Cluster``: ``start``, ``poll``/``wait_ready``,
@@ -310,7 +316,7 @@ class Cluster:
         (pod.dir / f"{c['name']}.argv").write_text(json.dumps(argv, indent=1))
         proc = subprocess.Popen(wrapped, cwd=pod.dir, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                process_group=0)
         log.close()
         pod.running[c["name"]] = proc
         if c.get("_init"):
