@@ -8,7 +8,10 @@
   interval (clustered by conversation), and the verdict ("faster" means ``a`` is faster);
 - ``per_repeat_ratio(a, b, key)``: ``a``'s per-repeat value over ``b``'s, paired by repeat
   (the rotated sweep runs repeat *k* of every strategy in one round), with its interval;
-- ``pairwise(results)``: ``paired_ttft`` for every ordered pair in report order.
+- ``pairwise(results)``: ``paired_ttft`` for every ordered pair in report order;
+- ``same_path(a, b)``: ``paired_ttft`` over only the turns both took by the same reuse path
+  (device read, peer or local host read, recompute), one per path: what separates two
+  strategies when their choices agree (their engines' configuration, their routers' steps).
 
 Every verdict comes from an interval (``kvtier.ab.stats``), never from two point estimates.
 
@@ -69,6 +72,18 @@ def paired_ttft(a: RunResult, b: RunResult, keys: Iterable[tuple[str, int]] | No
     return Paired(a.strategy, b.strategy, iv, verdict(iv))
 
 
+def same_path(a: RunResult, b: RunResult) -> list[tuple[str, Paired]]:
+    """Per reuse path that ``a`` and ``b`` both took on a turn (same conversation, turn and
+    repeat): the paired TTFT ratio ``a / b`` of those turns, paths in name order."""
+    pb = {(t.conversation_id, t.turn): t.reuse_path for t in b.ok_turns}
+    by: dict[str, list[tuple[str, int]]] = {}
+    for t in a.ok_turns:
+        k = (t.conversation_id, t.turn)
+        if pb.get(k) == t.reuse_path:
+            by.setdefault(str(t.reuse_path), []).append(k)
+    return [(path, paired_ttft(a, b, keys)) for path, keys in sorted(by.items())]
+
+
 def per_repeat(r: RunResult, key: str) -> list[float]:
     """``key`` of each repeat (``meta["per_repeat"]``), or of the one run."""
     per = r.meta.get("per_repeat")
@@ -101,6 +116,23 @@ def intervals_markdown(results: Sequence[RunResult]) -> str:
         lines.append(f"| {r.strategy} | {len(r.ok_turns)} | {s.ttft_p50.fmt(1e3)} | "
                      f"{s.ttft_p90.fmt(1e3)} | {s.turns_per_min.fmt(1, 2)} |")
     return "\n".join(lines)
+
+
+def same_path_markdown(results: Sequence[RunResult], a: str = "tiered-adaptive") -> str:
+    """``same_path`` of strategy ``a`` against every other strategy ("" without ``a``)."""
+    by = {r.strategy: r for r in results}
+    if a not in by or len(by) < 2:
+        return ""
+    lines = [f"| B | path both took | pairs | median TTFT {a}/B [95% CI] | verdict for {a} |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        if r.strategy == a:
+            continue
+        for path, p in same_path(by[a], r):
+            mark = p.verdict if p.verdict == "not resolved" else f"**{p.verdict}**"
+            lines.append(f"| {r.strategy} | {path} | {p.ratio.n} | {p.ratio.fmt(1, 3)} | "
+                         f"{mark} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def pairwise_markdown(results: Sequence[RunResult]) -> str:

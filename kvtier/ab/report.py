@@ -29,7 +29,13 @@ from typing import Any
 
 import msgspec
 
-from kvtier.ab.compare import intervals_markdown, pairwise, pairwise_markdown, strategy_intervals
+from kvtier.ab.compare import (
+    intervals_markdown,
+    pairwise,
+    pairwise_markdown,
+    same_path_markdown,
+    strategy_intervals,
+)
 from kvtier.ab.rawdoc import write_raw
 from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
 from kvtier.ab.stats import at_most, first_bucket_bound
@@ -393,6 +399,13 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
         lines += _slo_section(results, float(slo))
     lines += _stalls_section(results)
     lines += path_cost_section(results)
+    same = same_path_markdown(results)
+    if same:
+        lines += ["## tiered-adaptive against each strategy, on the turns both took the same way",
+                  "", "Paired per-turn TTFT ratios over only the turns where both strategies "
+                  "took the same reuse path (`kvtier.ab.compare.same_path`): where their choices "
+                  "agree, what is left is the cost of the strategy's configuration (its engines' "
+                  "connectors, its router's steps), not of its choices.", "", same, ""]
     lines += _switches_section(results)
     lines += _refusal_table(results)
     lines += _hold_section(results)

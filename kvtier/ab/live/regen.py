@@ -39,7 +39,13 @@ from typing import Any
 
 import msgspec
 
-from kvtier.ab.compare import intervals_markdown, pairwise, pairwise_markdown, strategy_intervals
+from kvtier.ab.compare import (
+    intervals_markdown,
+    pairwise,
+    pairwise_markdown,
+    same_path_markdown,
+    strategy_intervals,
+)
 from kvtier.ab.rawdoc import has_raw, raw_path, read_raw, write_raw
 from kvtier.ab.records import RunResult
 from kvtier.ab.report import (
@@ -114,8 +120,11 @@ def regime_table(name: str, run: Run) -> str:
     reps = max((int(r.meta.get("repeats", 1)) for r in results), default=1)
     out = [f"### {name}: {meta.get('trace')} (time scale {meta.get('time_scale')}, "
            f"{reps} repeat(s), commit {str(env.get('git_commit', '?'))[:10]})", "",
-           intervals_markdown(results), "", pairwise_markdown(results), "", load_table(results),
-           "", targets_markdown(run.targets())]
+           intervals_markdown(results), "", pairwise_markdown(results), ""]
+    same = same_path_markdown(results)
+    if same:  # tiered-adaptive against each strategy, on the turns both took the same way
+        out += [same, ""]
+    out += [load_table(results), "", targets_markdown(run.targets())]
     for k, a in (meta.get("adaptive") or {}).items():
         out += ["", f"{k}: TTL {a.get('decode_ttl_s')} s; {a.get('ttl_choice', '')}"]
     return "\n".join(out)
