@@ -118,6 +118,11 @@ def intervals_markdown(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def _verdict_cell(p: Paired) -> str:
+    """A paired ratio's verdict as a table shows it: bold when the interval decides."""
+    return p.verdict if p.verdict == "not resolved" else f"**{p.verdict}**"
+
+
 def same_path_markdown(results: Sequence[RunResult], a: str = "tiered-adaptive") -> str:
     """``same_path`` of strategy ``a`` against every other strategy ("" without ``a``)."""
     by = {r.strategy: r for r in results}
@@ -129,9 +134,8 @@ def same_path_markdown(results: Sequence[RunResult], a: str = "tiered-adaptive")
         if r.strategy == a:
             continue
         for path, p in same_path(by[a], r):
-            mark = p.verdict if p.verdict == "not resolved" else f"**{p.verdict}**"
             lines.append(f"| {r.strategy} | {path} | {p.ratio.n} | {p.ratio.fmt(1, 3)} | "
-                         f"{mark} |")
+                         f"{_verdict_cell(p)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -142,6 +146,5 @@ def pairwise_markdown(results: Sequence[RunResult]) -> str:
         return "(one strategy: nothing to pair)"
     lines = ["| A | B | pairs | median TTFT A/B [95% CI] | verdict for A |", "|---|---|---|---|---|"]
     for p in pairs:
-        mark = p.verdict if p.verdict == "not resolved" else f"**{p.verdict}**"
-        lines.append(f"| {p.a} | {p.b} | {p.ratio.n} | {p.ratio.fmt(1, 3)} | {mark} |")
+        lines.append(f"| {p.a} | {p.b} | {p.ratio.n} | {p.ratio.fmt(1, 3)} | {_verdict_cell(p)} |")
     return "\n".join(lines)
