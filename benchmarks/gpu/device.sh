@@ -97,6 +97,12 @@ e=[torch.cuda.Event(enable_timing=True) for _ in range(2)]; t=[]
 for _ in range(9):
   e[0].record(); y.copy_(x); e[1].record(); torch.cuda.synchronize(); t.append(e[0].elapsed_time(e[1]))
 t.sort(); json.dump({"bytes":1<<30,"median_ms":t[4],"gb_s":(1<<30)/t[4]/1e6,"ms":t,"device":torch.cuda.get_device_name()},open(sys.argv[1],"w"))' "$O/d2d_copy.json" && cat "$O/d2d_copy.json"; echo
+      # beside the run's report, the anchor of its D->P link section (kvtier.ab.link)
+      mkdir -p "$O/ab" && cp "$O/d2d_copy.json" "$O/ab/" 2>/dev/null
+      # UCX turns cuda_ipc GET (a NIXL READ, vLLM's D->P read) off on a GPU without NVLink,
+      # so reads between two processes on the one lent card fell back to TCP (0.06 GB/s);
+      # on, they ran at 16 GB/s (benchmarks/AB.md, the GPU section). A set value is kept.
+      export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-on}
       export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
       LEFT=$(( T0 + ${BUDGET_S:-570} - $(date +%s) )); W=$(mktemp -d)
       (cd "$W" && timeout -s TERM $(( LEFT > 30 ? LEFT : 30 )) python3 -m kvtier.cli ab \

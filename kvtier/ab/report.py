@@ -36,6 +36,7 @@ from kvtier.ab.compare import (
     same_path_markdown,
     strategy_intervals,
 )
+from kvtier.ab.link import link_section, read_anchor
 from kvtier.ab.rawdoc import write_raw
 from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
 from kvtier.ab.stats import at_most, first_bucket_bound
@@ -357,7 +358,9 @@ def _bucket_table(results: Sequence[RunResult]) -> str:
 
 
 def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = None,
-             simulated: Sequence[RunResult] | None = None, plots: bool = True) -> str:
+             simulated: Sequence[RunResult] | None = None, plots: bool = True,
+             anchor: dict | None = None) -> str:
+    """The run's report; ``anchor``: a device copy of the same call (``kvtier.ab.link``)."""
     env = meta.get("environment", {})
     lines = [f"# kvtier A/B report — {meta.get('trace', '?')}", ""]
     lines += [
@@ -398,6 +401,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     if slo:
         lines += _slo_section(results, float(slo))
     lines += _stalls_section(results)
+    lines += link_section(results, meta, anchor)
     lines += path_cost_section(results)
     same = same_path_markdown(results)
     if same:
@@ -595,7 +599,8 @@ def write_report(results: Sequence[RunResult], out_dir: str | Path, meta: dict,
     }
     write_raw(out, doc)
     md = out / "report.md"
-    md.write_text(markdown(results, meta, sim_error, simulated, plots=plots))
+    md.write_text(markdown(results, meta, sim_error, simulated, plots=plots,
+                           anchor=read_anchor(out)))
     if plots:
         plot_all(results, out)
     return md

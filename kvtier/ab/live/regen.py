@@ -46,6 +46,7 @@ from kvtier.ab.compare import (
     same_path_markdown,
     strategy_intervals,
 )
+from kvtier.ab.link import link_section, read_anchor
 from kvtier.ab.rawdoc import has_raw, raw_path, read_raw, write_raw
 from kvtier.ab.records import RunResult
 from kvtier.ab.report import (
@@ -99,7 +100,8 @@ def run_dirs(root: Path) -> list[Path]:
 
 def report_md(run: Run) -> str:
     plots = all((run.path / p).exists() for p in PLOTS)
-    return markdown(run.results, run.meta, run.sim_error(), run.simulated, plots=plots)
+    return markdown(run.results, run.meta, run.sim_error(), run.simulated, plots=plots,
+                    anchor=read_anchor(run.path))
 
 
 def derived(run: Run) -> dict[str, Any]:
@@ -125,6 +127,9 @@ def regime_table(name: str, run: Run) -> str:
     if same:  # tiered-adaptive against each strategy, on the turns both took the same way
         out += [same, ""]
     out += [load_table(results), "", targets_markdown(run.targets())]
+    link = link_section(results, meta, read_anchor(run.path))
+    if link:  # the D->P link as the run's reads saw it, beside a device copy
+        out += [""] + link[2:-1]
     for k, a in (meta.get("adaptive") or {}).items():
         out += ["", f"{k}: TTL {a.get('decode_ttl_s')} s; {a.get('ttl_choice', '')}"]
     return "\n".join(out)
