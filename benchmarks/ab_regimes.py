@@ -104,8 +104,10 @@ REGIMES: dict[str, tuple[SyntheticTraceConfig, RegimeSettings]] = {
             description="one GPU, 1P1D sharing it: the 8B shape with dummy weights, contexts "
                         "of ~4k-16k tokens, decode KV capped at 3,072 blocks of 16 (49k "
                         "tokens) against 3 conversations of up to 16k; every P/D move runs "
-                        "over the in-machine NIXL link (~0.5 GB/s VRAM->VRAM between "
-                        "processes, outside TTFT except D->P reads)",
+                        "over NIXL between two processes on the one GPU (outside TTFT "
+                        "except D->P reads; D->P reads at 0.06 GB/s with UCX's defaults, "
+                        "16 GB/s with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on: the report's link "
+                        "section gives the run's own)",
             max_model_len=20480, host_mib=16384, decode_ttl_s=60.0, time_scale=1.0,
             decode_num_blocks=3072,
             extra_args=("--load-format", "dummy", "--gpu-memory-utilization", "0.3",

@@ -12,7 +12,10 @@ unique prompts (``cache_salt``: nothing is reused), ``max_tokens=1``; strategies
         --strategies device-ttl,tiered,tiered-adaptive,host-p2p --rounds 3 \
         --json benchmarks/engine_overhead/RUN.json
 
-Prints each round's median and each strategy's median over all rounds.
+Prints each round's median and each strategy's median over all rounds. A run's JSON as the
+README's Markdown table (each strategy's median over all rounds, then per round)::
+
+    .venv/bin/python benchmarks/bench_engine_overhead.py --table benchmarks/engine_overhead/RUN.json
 
 Threading model: a single-threaded script; each stack is stopped before the next starts.
 """
@@ -44,7 +47,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40, help="per engine start (5 warm-up)")
     ap.add_argument("--tokens", type=int, default=1500, help="prompt tokens")
     ap.add_argument("--json", help="write the raw latencies here")
+    ap.add_argument("--table", metavar="JSON", help="print a run's JSON as a Markdown table")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
     specs = parse_list(args.strategies)
     model = str(build_model("tiny"))
     name = Path(model).name
@@ -77,6 +84,18 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "machine": platform.platform(), "rounds": rounds,
             "median_s": overall}, indent=1))
+
+
+def table(doc: dict) -> str:
+    """A run's JSON (``--json``) as Markdown: median ms over all rounds, then per round."""
+    names = list(doc["median_s"])
+    lines = ["| strategy | median ms, all rounds | per round |", "|---|---|---|"]
+    for n in names:
+        per = [statistics.median(r["latency_s"]) * 1e3 for r in doc["rounds"]
+               if r["strategy"] == n]
+        lines.append(f"| {n} | {doc['median_s'][n] * 1e3:.1f} | "
+                     + ", ".join(f"{x:.1f}" for x in per) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
