@@ -220,7 +220,7 @@ def run_ab(args: argparse.Namespace) -> int:
                       kv_bytes_per_token=kvbpt,
                       log_dir=out / "logs", progress=not args.no_progress,
                       extra_args=regime.extra_args, role_args=regime.role_args(),
-                      role_env=regime.role_env())
+                      role_env=regime.role_env(), **_spinner(args))
     meta["environment"] = environment_meta()  # the commit measured, not the one at report time
     t0 = time.time()
     run_notes: dict[str, dict[str, None]] = {}  # running stacks: what each run could not do
@@ -453,3 +453,11 @@ def _scaled_trace(trace: Trace, k: float) -> Trace:
                                         t.strip_reasoning) for t in c.turns])
              for c in trace.conversations]
     return Trace(trace.name, trace.vocab_size, convs)
+
+
+def _spinner(args: argparse.Namespace) -> dict[str, int | None]:
+    """``RunOptions.spinner_nice`` from ``--spinner-nice`` (absent: the placement default)."""
+    v = getattr(args, "spinner_nice", None)
+    if v is None:
+        return {}
+    return {"spinner_nice": None if v == "idle" else int(v)}

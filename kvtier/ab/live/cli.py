@@ -59,6 +59,19 @@ def _positive_int(v: str) -> int:
     return n
 
 
+def _spinner_nice(v: str) -> int | str:
+    """``--spinner-nice``: 0-19, or ``idle`` (SCHED_IDLE)."""
+    if v == "idle":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0-19 or idle, got {v!r}") from None
+    if not 0 <= n <= 19:
+        raise argparse.ArgumentTypeError(f"expected 0-19 or idle, got {n}")
+    return n
+
+
 def _positive_float(v: str) -> float:
     x = float(v)
     if not x > 0:
@@ -151,6 +164,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--single-engine", action="store_true",
                    help="one engine per strategy, serving whole turns: no P/D split, no router, "
                         "no indexer (recompute, host-p2p; vllm-offload on a GPU)")
+    p.add_argument("--spinner-nice", type=_spinner_nice, default=None, metavar="N|idle",
+                   help="priority the local stack gives NIXL's spinning progress threads: nice "
+                        "N (0-19) or idle (SCHED_IDLE); default kvtier.devstack.placement's "
+                        "(nice 10). A diagnostic: what the spinners cost the engines beside them")
     p.add_argument("--prefill", type=int, default=None, help="prefill instances (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode instances (default 1)")
     p.add_argument("--cost", help="CostModel JSON (from kvtier calibrate --out)")

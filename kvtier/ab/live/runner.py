@@ -144,6 +144,7 @@ from kvtier.ab.live.stacks import (
 from kvtier.ab.records import MemorySample, RunResult, TurnRecord
 from kvtier.ab.strategies import StrategySpec
 from kvtier.ab.traces import ConversationSpec, Trace, token_ids
+from kvtier.devstack.placement import SPINNER_NICE
 from kvtier.devstack.stack import LocalStack
 from kvtier.router.config import RouterConfig
 from kvtier.wire.reuse_headers import ReuseReport
@@ -229,6 +230,9 @@ class RunOptions:
     # One conversation after another, start times ignored (calibration: no prefill overlaps,
     # so every TTFT is a clean sample of one request's cost).
     sequential: bool = False
+    # NIXL's spinning progress threads in the local stack: nice 0-19, or None for SCHED_IDLE
+    # (``--spinner-nice``; kvtier.devstack.placement).
+    spinner_nice: int | None = SPINNER_NICE
     # A regime's stack settings (kvtier.ab.regimes): vLLM arguments for every instance and
     # per role ("prefill"/"decode"), environment per role.
     extra_args: tuple[str, ...] = ()
@@ -243,7 +247,8 @@ def run_strategy(spec: StrategySpec, trace: Trace, opts: RunOptions,
     spec = spec.scaled(opts.time_scale)
     sspec = stack_spec_for(spec, opts.model, block_size=opts.block_size,
                            max_model_len=opts.max_model_len, extra_args=opts.extra_args,
-                           role_args=opts.role_args, role_env=opts.role_env)
+                           role_args=opts.role_args, role_env=opts.role_env,
+                           spinner_nice=opts.spinner_nice)
     run = _run_single if spec.single_engine else _run_on
     if stack is not None:
         return run(spec, trace, opts, stack)

@@ -1,0 +1,33 @@
+"""``kvtier ab --spinner-nice``: parsed once, handed to the local stack's placement."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvtier.ab.live.ab import _spinner
+from kvtier.ab.live.cli import _spinner_nice
+from kvtier.ab.live.stacks import stack_spec_for
+from kvtier.ab.strategies import builtin
+from kvtier.devstack.placement import SPINNER_NICE
+
+
+def test_values_and_refusals() -> None:
+    assert _spinner_nice("19") == 19 and _spinner_nice("0") == 0 and _spinner_nice("idle") == "idle"
+    for bad in ("20", "-1", "low"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _spinner_nice(bad)
+
+
+def test_absent_keeps_the_placement_default_and_idle_is_sched_idle() -> None:
+    assert _spinner(argparse.Namespace(spinner_nice=None)) == {}
+    assert _spinner(argparse.Namespace()) == {}
+    assert _spinner(argparse.Namespace(spinner_nice=19)) == {"spinner_nice": 19}
+    assert _spinner(argparse.Namespace(spinner_nice="idle")) == {"spinner_nice": None}
+
+
+def test_the_stack_gets_it() -> None:
+    s = builtin("host-p2p")
+    assert stack_spec_for(s, "m", spinner_nice=19).spinner_nice == 19
+    assert stack_spec_for(s, "m").spinner_nice == SPINNER_NICE
