@@ -21,10 +21,10 @@ def test_values_and_refusals() -> None:
 
 
 def test_absent_keeps_the_placement_default_and_idle_is_sched_idle() -> None:
-    assert _spinner(argparse.Namespace(spinner_nice=None)) == {}
-    assert _spinner(argparse.Namespace()) == {}
-    assert _spinner(argparse.Namespace(spinner_nice=19)) == {"spinner_nice": 19}
-    assert _spinner(argparse.Namespace(spinner_nice="idle")) == {"spinner_nice": None}
+    assert _spinner(argparse.Namespace(spinner_nice=None)) == SPINNER_NICE
+    assert _spinner(argparse.Namespace()) == SPINNER_NICE
+    assert _spinner(argparse.Namespace(spinner_nice=19)) == 19
+    assert _spinner(argparse.Namespace(spinner_nice="idle")) is None
 
 
 def test_the_stack_gets_it() -> None:

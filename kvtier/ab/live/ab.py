@@ -65,6 +65,7 @@ from kvtier.ab.simulator import simulate_all
 from kvtier.ab.strategies import StrategySpec, builtin, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
 from kvtier.cost.model import CostModel
+from kvtier.devstack.placement import SPINNER_NICE
 
 log = logging.getLogger("kvtier.ab")
 
@@ -220,7 +221,7 @@ def run_ab(args: argparse.Namespace) -> int:
                       kv_bytes_per_token=kvbpt,
                       log_dir=out / "logs", progress=not args.no_progress,
                       extra_args=regime.extra_args, role_args=regime.role_args(),
-                      role_env=regime.role_env(), **_spinner(args))
+                      role_env=regime.role_env(), spinner_nice=_spinner(args))
     meta["environment"] = environment_meta()  # the commit measured, not the one at report time
     t0 = time.time()
     run_notes: dict[str, dict[str, None]] = {}  # running stacks: what each run could not do
@@ -455,9 +456,10 @@ def _scaled_trace(trace: Trace, k: float) -> Trace:
     return Trace(trace.name, trace.vocab_size, convs)
 
 
-def _spinner(args: argparse.Namespace) -> dict[str, int | None]:
-    """``RunOptions.spinner_nice`` from ``--spinner-nice`` (absent: the placement default)."""
+def _spinner(args: argparse.Namespace) -> int | None:
+    """``RunOptions.spinner_nice`` from ``--spinner-nice``: the placement default when absent,
+    None (SCHED_IDLE) for ``idle``."""
     v = getattr(args, "spinner_nice", None)
     if v is None:
-        return {}
-    return {"spinner_nice": None if v == "idle" else int(v)}
+        return SPINNER_NICE
+    return None if v == "idle" else int(v)
