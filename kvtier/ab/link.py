@@ -70,16 +70,16 @@ def read_anchor(run_dir: Path) -> dict | None:
         return None
 
 
-def link_section(results: Sequence[RunResult], meta: dict,
-                 anchor: dict | None = None) -> list[str]:
-    """The report's "D->P link" section ([] when no strategy's reads qualify)."""
+def link_table(results: Sequence[RunResult], meta: dict,
+               anchor: dict | None = None) -> list[str]:
+    """The D->P reads' bandwidth, explained, as a table, beside ``anchor`` when given
+    ([] when no strategy's reads qualify)."""
     kvb = int(meta.get("kv_bytes_per_token") or 0)
     figs = dp_reads(results, kvb) if kvb else []
     if not figs:
         return []
     ucx = (meta.get("environment") or {}).get("ucx_env") or {}
-    lines = ["## The D->P link, as this run's reads saw it", "",
-             "KV moved by D->P reads (reused tokens x "
+    lines = ["KV moved by D->P reads (reused tokens x "
              f"{kvb:,} B/token) over the prefill's NIXL transfer time for them "
              "(`vllm:nixl_xfer_time_seconds_sum`), every repeat together"
              + (f"; UCX settings: {', '.join(f'`{k}={v}`' for k, v in ucx.items())}"
@@ -98,4 +98,13 @@ def link_section(results: Sequence[RunResult], meta: dict,
                   f"(`{ANCHOR_NAME}`, {anchor.get('device', '?')}): "
                   f"{float(anchor['gb_s']):,.0f} GB/s ({int(anchor.get('bytes', 0)):,} B, "
                   f"median of {len(anchor.get('ms') or [])})."]
-    return lines + [""]
+    return lines
+
+
+def link_section(results: Sequence[RunResult], meta: dict,
+                 anchor: dict | None = None) -> list[str]:
+    """The report's "D->P link" section: ``link_table`` under its heading ([] without)."""
+    table = link_table(results, meta, anchor)
+    if not table:
+        return []
+    return ["## The D->P link, as this run's reads saw it", "", *table, ""]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.models import PRESETS, build_model
-from kvtier.devstack.placement import SPINNER_NICE
+from kvtier.devstack.placement import SPINNER_CHOICES, SPINNER_NICE
 from kvtier.devstack.spec import StackSpec
 from kvtier.devstack.stack import LocalStack
 
@@ -81,9 +81,9 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 
 
 def _stack_place(args: argparse.Namespace) -> int:
-    from kvtier.devstack.placement import place, priority_name
+    from kvtier.devstack.placement import place, priority_name, spinner_priority
 
-    nice = None if args.spinner_nice == "idle" else int(args.spinner_nice)
+    nice = spinner_priority(args.spinner_nice)
     placed = place(args.pid, args.core, nice=nice)
     if not placed:
         print(f"no vLLM worker process (VLLM::Worker) under pid {args.pid}")
@@ -127,7 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--core", type=int, default=None,
                     help="the core its model should run on (its VLLM_CPU_OMP_THREADS_BIND)")
     pl.add_argument("--spinner-nice", default=str(SPINNER_NICE),
-                    choices=[str(n) for n in range(20)] + ["idle"], metavar="0..19|idle",
+                    choices=SPINNER_CHOICES, metavar="0..19|idle",
                     help=f"priority for NIXL's spinning progress threads (default {SPINNER_NICE}; "
                          "'idle': SCHED_IDLE, which starves READs this server is the target of)")
     pl.set_defaults(func=_stack_place)

@@ -146,6 +146,15 @@ def spinning_threads(pid: int, sample_s: float = 0.5, samples: int = 25) -> list
     return sorted(t for t, n in seen.items() if t != pid and n > SPIN_FRACTION * samples)
 
 
+SPINNER_CHOICES = (*(str(n) for n in range(20)), "idle")  # a command line's --spinner-nice
+
+
+def spinner_priority(value: str) -> int | None:
+    """A ``--spinner-nice`` value (``SPINNER_CHOICES``) as ``place`` takes it: the nice level,
+    or None for ``idle`` (SCHED_IDLE)."""
+    return None if value == "idle" else int(value)
+
+
 def priority_name(nice: int | None) -> str:
     """How ``place`` demotes spinners with this ``nice`` argument, for logs and CLI output."""
     return "SCHED_IDLE" if nice is None else f"nice {nice}"

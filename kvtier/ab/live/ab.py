@@ -65,7 +65,7 @@ from kvtier.ab.simulator import simulate_all
 from kvtier.ab.strategies import StrategySpec, builtin, parse_list
 from kvtier.ab.traces import LengthDist, SyntheticTraceConfig, Trace, WaitDist, synthetic
 from kvtier.cost.model import CostModel
-from kvtier.devstack.placement import SPINNER_NICE
+from kvtier.devstack.placement import SPINNER_NICE, spinner_priority
 
 log = logging.getLogger("kvtier.ab")
 
@@ -460,6 +460,4 @@ def _spinner(args: argparse.Namespace) -> int | None:
     """``RunOptions.spinner_nice`` from ``--spinner-nice``: the placement default when absent,
     None (SCHED_IDLE) for ``idle``."""
     v = getattr(args, "spinner_nice", None)
-    if v is None:
-        return SPINNER_NICE
-    return None if v == "idle" else int(v)
+    return SPINNER_NICE if v is None else spinner_priority(v)

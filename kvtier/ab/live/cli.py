@@ -45,6 +45,7 @@ from kvtier.ab.live.ab import DEFAULT_STRATEGIES, run_ab, run_ab_report
 from kvtier.ab.live.calibrate import run_calibrate
 from kvtier.ab.live.demo import DEMO_MODEL, DEMO_STRATEGIES, run_demo
 from kvtier.ab.strategies import GPU_STRATEGY_NAMES, STRATEGY_NAMES
+from kvtier.devstack.placement import SPINNER_CHOICES
 
 # This module only declares the commands' arguments (its docstring is `kvtier ab --help`'s
 # text); each command lives in its own module: `kvtier ab` and `kvtier ab-report` in
@@ -56,19 +57,6 @@ def _positive_int(v: str) -> int:
     n = int(v)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def _spinner_nice(v: str) -> int | str:
-    """``--spinner-nice``: 0-19, or ``idle`` (SCHED_IDLE)."""
-    if v == "idle":
-        return v
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 0-19 or idle, got {v!r}") from None
-    if not 0 <= n <= 19:
-        raise argparse.ArgumentTypeError(f"expected 0-19 or idle, got {n}")
     return n
 
 
@@ -164,7 +152,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--single-engine", action="store_true",
                    help="one engine per strategy, serving whole turns: no P/D split, no router, "
                         "no indexer (recompute, host-p2p; vllm-offload on a GPU)")
-    p.add_argument("--spinner-nice", type=_spinner_nice, default=None, metavar="N|idle",
+    p.add_argument("--spinner-nice", choices=SPINNER_CHOICES, default=None, metavar="0..19|idle",
                    help="priority the local stack gives NIXL's spinning progress threads: nice "
                         "N (0-19) or idle (SCHED_IDLE); default kvtier.devstack.placement's "
                         "(nice 10). A diagnostic: what the spinners cost the engines beside them")
