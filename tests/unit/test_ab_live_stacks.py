@@ -106,6 +106,9 @@ def test_the_ab_command_refuses_local_flags_with_a_stack(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["ab", "--stack", "recompute=http://a:1", "--prefill", "2"])
     assert "--prefill: set by the running stacks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # nothing is started: its placement is not ours to set
+        main(["ab", "--stack", "recompute=http://a:1", "--spinner-nice", "19"])
+    assert "--spinner-nice: set by the running stacks" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["ab", "--engine-metrics", "recompute=http://a:1"])
     assert "names the metrics pages of a --stack" in capsys.readouterr().err

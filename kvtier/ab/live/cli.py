@@ -78,7 +78,9 @@ def _ab(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
             clash = [f for f, v in (("--stack", args.stack), ("--simulate", args.simulate),
                                     ("--prefill", args.prefill), ("--decode", args.decode),
                                     ("--decode-ttl", args.decode_ttl),
-                                    ("--cost-refit", args.cost_refit)) if v not in (None, False)]
+                                    ("--cost-refit", args.cost_refit),
+                                    ("--spinner-nice", args.spinner_nice))
+                     if v not in (None, False)]
             if clash:
                 p.error(f"--single-engine runs one local engine per strategy (no P/D, no "
                         f"router): not with {', '.join(clash)}")
@@ -87,7 +89,9 @@ def _ab(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
             local = [f for f, v in (("--strategies", args.strategies), ("--prefill", args.prefill),
                                     ("--decode", args.decode), ("--decode-ttl", args.decode_ttl),
                                     ("--host-mib", args.host_mib), ("--simulate", args.simulate),
-                                    ("--cost-refit", args.cost_refit)) if v not in (None, False)]
+                                    ("--cost-refit", args.cost_refit),
+                                    ("--spinner-nice", args.spinner_nice))
+                     if v not in (None, False)]
             if local:
                 p.error(f"{', '.join(local)}: set by the running stacks, not with --stack "
                         f"(the strategy names come from --stack STRATEGY=ROUTER_URL)")
