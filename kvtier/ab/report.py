@@ -401,6 +401,7 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     if slo:
         lines += _slo_section(results, float(slo))
     lines += _stalls_section(results)
+    lines += cpu_section(results)
     lines += link_section(results, meta, anchor)
     lines += path_cost_section(results)
     same = same_path_markdown(results)
@@ -631,6 +632,58 @@ def _stalls_section(results: Sequence[RunResult]) -> list[str]:
             "it served waiting meanwhile (`kvtier_router_event_loop_stall_seconds` at the end "
             "of the run; the warning lines from its log).", "",
             "| strategy | repeat | router pid | stalls | warnings |", "|---|---|---|---|---|",
+            *rows, ""]
+
+
+def cpu_records(results: Sequence[RunResult]) -> list[tuple[str, int, dict[str, Any] | None]]:
+    """(strategy, repeat, ``meta["cpu"]`` or None) of every run that has the key."""
+    out = []
+    for r in results:
+        per = r.meta.get("cpu")
+        if per is None:
+            continue
+        for i, c in enumerate(per if isinstance(per, list) else [per]):
+            out.append((r.strategy, i + 1, c or None))
+    return out
+
+
+def foreign_worst(results: Sequence[RunResult]) -> str:
+    """The largest foreign CPU share of any run, in words ("not recorded" without any)."""
+    recs = cpu_records(results)
+    shares = [float(c["foreign_share"]) for _, _, c in recs if c]
+    if not shares:
+        return "not recorded"
+    missing = sum(1 for _, _, c in recs if not c)
+    return f"{max(shares):.1%}" + (f" ({missing} run(s) not recorded)" if missing else "")
+
+
+def cpu_section(results: Sequence[RunResult]) -> list[str]:
+    """Each run's CPU against what else used the machine meanwhile (``meta["cpu"]``,
+    ``kvtier.ab.live.cpu``; one per repeat after ``merge_repeats``). [] for runs that did not
+    record it (older reports, simulations)."""
+    rows = []
+    for strategy, i, c in cpu_records(results):
+        if not c:
+            rows.append(f"| {strategy} | {i} | not recorded | | | | |")
+            continue
+        ours = f"{c['ours_s']:.1f}" + ("" if c.get("stack_is_ours", True)
+                                       else " (stack not ours)")
+        rows.append(f"| {strategy} | {i} | {c['wall_s']:.1f} | {c['machine_busy_s']:.1f} "
+                    f"| {ours} | {c['foreign_s']:.1f} ({float(c['foreign_share']):.1%}) "
+                    f"| {c['steal_s']:.1f} |")
+    if not rows:
+        return []
+    head = f"The largest foreign share of any run: {foreign_worst(results)}."
+    return ["## CPU used outside the run", "",
+            "The machine's busy CPU over each replay (`/proc/stat`) against the CPU of the "
+            "harness's process tree (itself and the stack, router and indexer it started); "
+            "the rest, *foreign*, is anything else that ran on the machine meanwhile, shown "
+            "with its share of the run's capacity (wall x cores), and *steal* is CPU the "
+            "hypervisor gave other guests. Same work run beside foreign CPU comes out "
+            "slower, so a ratio between strategies whose foreign shares differ measures the "
+            "machine as well.", "", head, "",
+            "| strategy | repeat | wall (s) | machine busy (CPU s) | this run's tree (CPU s) "
+            "| foreign (CPU s, share) | steal (CPU s) |", "|---|---|---|---|---|---|---|",
             *rows, ""]
 
 

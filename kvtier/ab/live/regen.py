@@ -52,6 +52,7 @@ from kvtier.ab.records import RunResult
 from kvtier.ab.report import (
     PLOTS,
     SIM_ERROR_METRICS,
+    foreign_worst,
     iv_doc,
     load_table,
     markdown,
@@ -126,7 +127,8 @@ def regime_table(name: str, run: Run) -> str:
     same = same_path_markdown(results)
     if same:  # tiered-adaptive against each strategy, on the turns both took the same way
         out += [same, ""]
-    out += [load_table(results), "", targets_markdown(run.targets())]
+    out += [load_table(results), "", targets_markdown(run.targets()), "",
+            f"Foreign CPU (other work on the machine), worst run: {foreign_worst(results)}."]
     link = link_table(results, meta, read_anchor(run.path))
     if link:  # the D->P link as the run's reads saw it, beside a device copy
         out += ["", *link]
@@ -151,8 +153,9 @@ def _pct(v: float) -> str:
 def _glance(runs: list[tuple[str, Run]]) -> str:
     lines = ["| regime (run) | best single strategy (TTFT p50) | tiered-adaptive median TTFT ÷ "
              "best | TTFT p90 ÷ best | turns/min ÷ best | device block·s ÷ device-ttl's | "
-             "reuse: tiered-adaptive / host-p2p | simulator TTFT p50 error, worst first |",
-             "|---|---|---|---|---|---|---|---|"]
+             "reuse: tiered-adaptive / host-p2p | simulator TTFT p50 error, worst first | "
+             "foreign CPU, worst run |",
+             "|---|---|---|---|---|---|---|---|---|"]
     mark = {"met": "met", "missed": "**missed**"}
     for name, run in runs:
         t = {x.name: x for x in run.targets()}
@@ -176,7 +179,8 @@ def _glance(runs: list[tuple[str, Run]]) -> str:
             f"{cell('turns per minute vs the best single strategy')} | "
             f"{cell('device memory vs device-ttl')} | "
             + " / ".join(f"{reuse[s]:.1%}" if s in reuse else "–" for s in (ADAPTIVE, "host-p2p"))
-            + " | " + (", ".join(f"{s} {_pct(v)}" for v, s in errs) or "–") + " |")
+            + " | " + (", ".join(f"{s} {_pct(v)}" for v, s in errs) or "–")
+            + f" | {foreign_worst(run.results)} |")
     return "\n".join(lines)
 
 

@@ -66,6 +66,10 @@ How each number is measured (also written into the report, ``MEASUREMENT``):
   ``meta["router_stalls"]``: the router's event-loop stalls over its life (this run):
   count and total seconds from its ``kvtier_router_event_loop_stall_seconds`` histogram
   (``/metrics`` at the end), the longest and each one's warning line from its log.
+- ``meta["cpu"]``: the machine's busy CPU over the replay against this process tree's (the
+  harness and everything it started): what anything else on the machine used
+  (``foreign_s``, ``foreign_share`` of wall x cores) and the hypervisor's steal
+  (``kvtier.ab.live.cpu``).
 
 One engine per strategy (``StrategySpec.single``, ``kvtier ab --single-engine``): the stack is
 one engine and nothing else; the client talks to it (no router, no indexer), each turn
@@ -108,6 +112,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from kvtier.ab.live import cpu
 from kvtier.ab.live.measure import (
     DeviceLedger,
     complete_turn,
@@ -191,6 +196,9 @@ MEASUREMENT = {
     "router / indexer": "each its own process (kvtier router|indexer --config FILE), started "
                         "for the strategy's run; pids, commands, configs and logs in meta "
                         "services",
+    "cpu (foreign)": "the machine's busy CPU over the replay (/proc/stat) less the CPU of the "
+                     "harness's process tree (itself, the stack, router and indexer it started): "
+                     "what anything else on the machine used, and the hypervisor's steal",
     "router event-loop stalls": "the router's kvtier_router_event_loop_stall_seconds (count, "
                                 "sum) from its /metrics at the end of the run, and its "
                                 "watchdog's warning lines (the longest stall) from its log",
@@ -267,7 +275,8 @@ def run_on_stack(spec: StrategySpec, stack: RunningStack, trace: Trace,
         decode_metrics=list(stack.decode_metrics),
         host_bytes=lambda c: running_host_bytes(c, stack, block_bytes),
         instances=[i.name for i in stack.instances], topology=stack.topology,
-        prefill_urls=[e.url for e in stack.engines if e.role in ("prefill", "both")])
+        prefill_urls=[e.url for e in stack.engines if e.role in ("prefill", "both")],
+        stack_is_ours=False)
     with httpx.Client(timeout=30) as http:
         return _replay(spec.scaled(opts.time_scale), trace, opts, target, http)
 
@@ -289,6 +298,7 @@ class Target:
     prefill_urls: list[str]
     router_log: RouterLog | None = None
     direct: bool = False  # ``url`` is one engine, not a router (one engine per strategy)
+    stack_is_ours: bool = True  # started by this process (its CPU is not foreign: meta cpu)
 
 
 def _run_single(spec: StrategySpec, trace: Trace, opts: RunOptions,
@@ -388,6 +398,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
     xfer0 = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in target.prefill_urls)
     total = sum(len(c.turns) for c in trace.conversations)
     bar = _bar(total, spec.name, opts.progress)
+    cpu0 = cpu.snapshot()
     t_run = time.perf_counter()
     t_wall = time.time()  # the router's log lines carry wall-clock times
 
@@ -485,6 +496,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
         sampler_t.join(timeout=10)
         bar.close()
     t_end = time.perf_counter() - t_run
+    cpu_used = cpu.account(cpu0, cpu.snapshot(), cpu.cores(), target.stack_is_ours)
     xfer = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum")
                for u in target.prefill_urls) - xfer0
     split_transfer(records, xfer)
@@ -501,6 +513,8 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
         "engine_kv_usage": usage, "instances": target.instances, "topology": target.topology,
         "engine": probe.finish(http), "engine_kv_blocks": dict(probe.capacity),
         "device_blocks_source": source, "ledger_samples_capped": capped[0]}
+    if cpu_used is not None:
+        meta["cpu"] = cpu_used
     if spec.leases and rlog is not None:
         rs = spec.router_settings()
         meta["router_retention"] = {k: rs[k] for k in ("retention", "host_copy",
