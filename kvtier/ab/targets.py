@@ -23,6 +23,11 @@ below are the targets as stated, nothing more.
 6. **device memory ≤ 50% of device-ttl's** (issue 18): block·s ratio's upper bound ≤ 0.5, at
    a reuse rate not lower than device-ttl's (per-repeat ratio not wholly below 1.0; any reuse
    matches a device-ttl that reused nothing).
+7. **beats every fixed strategy** (issue 30's third "Done when"): against *each* fixed strategy
+   of the run, either every per-turn median TTFT ratio has its upper bound < 1.0, or every
+   per-repeat turns/min ratio has its lower bound > 1.0; missed when, on both metrics, some
+   fixed strategy is better with the whole interval on its side, else not resolved. The
+   value names the fixed strategy closest to tiered-adaptive on each metric.
 
 Threading model: pure functions.
 """
@@ -126,6 +131,9 @@ MEM_NAME = "device memory vs device-ttl"
 MEM_GOAL = "mean block·s ≤ device-ttl's: upper bound ≤ 1.0 (per repeat)"
 HALF_NAME = "device memory ≤ 50% of device-ttl's"
 HALF_GOAL = "block·s upper bound ≤ 0.5 at reuse not lower than device-ttl's (per repeat)"
+BEAT_NAME = "beats every fixed strategy"
+BEAT_GOAL = ("against each fixed strategy: median TTFT ratio upper bound < 1.0 (per turn), "
+             "or turns/min ratio lower bound > 1.0 (per repeat)")
 
 
 def _within_median(ad: RunResult, singles: dict[str, RunResult]) -> Target:
@@ -153,6 +161,31 @@ def _throughput(ad: RunResult, singles: dict[str, RunResult]) -> Target:
                                   (" (higher)" if iv.lo > 1.0 else " (not lower)"))
     return _t(TPM_NAME, TPM_GOAL, f"{iv.fmt(1, 3)}× of {best} over {iv.n} repeats{word}",
               ok, iv)
+
+
+def _beats_all(ad: RunResult, singles: dict[str, RunResult]) -> Target:
+    """Target 7 (module docstring): the closest fixed strategy decides each metric."""
+    ttft = {n: paired_ttft(ad, b).ratio for n, b in singles.items()}
+    tpm = {n: per_repeat_ratio(ad, b, "turns_per_min") for n, b in singles.items()}
+    if not all(iv.defined for iv in ttft.values()):
+        return _none(BEAT_NAME, BEAT_GOAL)
+    near_t = max(ttft, key=lambda n: ttft[n].hi)       # the one tiered-adaptive beats least
+    faster = ttft[near_t].hi < 1.0
+    slower = any(iv.lo > 1.0 for iv in ttft.values())
+    parts = [f"TTFT p50 {ttft[near_t].fmt(1, 3)}× of {near_t}"]
+    higher, lower, near_r = False, False, None
+    if all(iv.defined for iv in tpm.values()):
+        near_r = min(tpm, key=lambda n: tpm[n].lo)
+        higher = tpm[near_r].lo > 1.0
+        lower = any(iv.hi < 1.0 for iv in tpm.values())
+        parts.append(f"turns/min {tpm[near_r].fmt(1, 3)}× of {near_r} over "
+                     f"{tpm[near_r].n} repeats")
+    else:
+        parts.append("turns/min not decidable (fewer than 3 repeats)")
+    met = True if (faster or higher) else (False if slower and lower else None)
+    iv = tpm[near_r] if higher and near_r is not None else ttft[near_t]
+    return _t(BEAT_NAME, BEAT_GOAL, "; ".join(parts) + f" (closest of {len(singles)} fixed)",
+              met, iv)
 
 
 def decode_capacity(meta: dict) -> int | None:
@@ -211,6 +244,12 @@ def evaluate(results: Sequence[RunResult], decode_blocks: int | None = None,
         out += [_none(MEDIAN_NAME, MEDIAN_GOAL), _none(P90_NAME, P90_GOAL),
                 _none(TPM_NAME, TPM_GOAL)]
     out += _memory(ad, by.get("device-ttl"), decode_blocks)
+    if lost:
+        out.append(_none(BEAT_NAME, BEAT_GOAL, why))
+    elif ad is not None and ad.ok_turns and singles:
+        out.append(_beats_all(ad, singles))
+    else:
+        out.append(_none(BEAT_NAME, BEAT_GOAL))
     return out
 
 

@@ -147,6 +147,8 @@ def test_kvtier_ab_against_two_running_stacks(routers, tmp_path) -> None:
     assert not any(t["reuse_path"] == "dp_read" for t in results["recompute"]["turns"])
     # its decode node's own retention metrics were found from the router (lease port + 1)
     assert results["device-ttl"]["meta"]["device_blocks_source"].startswith("decode metrics")
+    # a running stack is not the harness's process tree: its CPU is counted as foreign
+    assert all(r["meta"]["cpu"]["stack_is_ours"] is False for r in results.values())
     assert doc["meta"]["stack_shapes_differ"] == ["0P1D", "1P1D"]
     stacks = doc["meta"]["stacks"]
     assert stacks["device-ttl"]["decode_metrics"] and not stacks["recompute"]["decode_metrics"]

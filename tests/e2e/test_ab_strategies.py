@@ -88,6 +88,11 @@ def test_strategy_starts_and_serves(name, stack_pool, tiny_model, tmp_path):
     if spec.use_indexer:
         assert svc["indexer"]["pid"] not in (os.getpid(), svc["router"]["pid"]), svc
     assert res.meta["router_stalls"]["count"] is not None, res.meta["router_stalls"]
+    # What else used the machine meanwhile is recorded: the stack is this process's tree, so
+    # its engines' CPU is counted as the run's own (kvtier.ab.live.cpu).
+    cpu = res.meta["cpu"]
+    assert cpu["stack_is_ours"] and cpu["wall_s"] > 0 and cpu["ours_s"] > 0, cpu
+    assert 0.0 <= cpu["foreign_share"] <= 1.0, cpu
     follow = res.follow_ups
     if name == "recompute":
         assert res.reuse_rate() == 0.0 and res.device_block_seconds() == 0.0

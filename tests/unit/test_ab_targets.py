@@ -47,7 +47,8 @@ def test_all_met() -> None:
         "TTFT p90 vs the best single strategy": "met",
         "turns per minute vs the best single strategy": "met",
         "device memory vs device-ttl": "met",
-        "device memory ≤ 50% of device-ttl's": "met"}
+        "device memory ≤ 50% of device-ttl's": "met",
+        "beats every fixed strategy": "met"}
 
 
 def test_all_missed() -> None:
@@ -145,3 +146,30 @@ def test_a_run_whose_fixed_strategy_failed_does_not_judge_against_the_rest() -> 
         assert "device-ttl failed" in out[name].value
     # tiered-adaptive itself failing leaves nothing to judge: its targets say so already
     assert evaluate([rc], failed=["tiered-adaptive"])[1].status == "not evaluated"
+
+
+def test_beats_every_fixed_strategy_on_either_metric() -> None:
+    """Issue 30's third "Done when": against each fixed strategy, TTFT wholly lower or turns/min
+    wholly higher; the closest fixed strategy decides and is named."""
+    name = "beats every fixed strategy"
+    rc = _repeated("recompute", lambda i: 0.5 * (i + 1), 0, 0)
+    dt = _repeated("device-ttl", lambda i: 0.3, 800, 100)
+    # faster than both on TTFT, same turns/min: met by TTFT
+    fast = _repeated("tiered-adaptive", lambda i: 0.25, 800, 10)
+    t = {t.name: t for t in evaluate([rc, dt, fast])}[name]
+    assert t.status == "met" and "of device-ttl" in t.value and "closest of 2 fixed" in t.value
+    # as fast as device-ttl but more turns per minute than both: met by turns/min
+    busy = _repeated("tiered-adaptive", lambda i: 0.3, 800, 10, t_end=50.0)
+    t = {t.name: t for t in evaluate([rc, dt, busy])}[name]
+    assert t.status == "met" and "turns/min 1.200" in t.value, t.value
+    # as fast as device-ttl, same turns/min: neither metric decides
+    tie = _repeated("tiered-adaptive", lambda i: 0.3, 800, 10)
+    assert {t.name: t for t in evaluate([rc, dt, tie])}[name].status == "not resolved"
+    # slower than device-ttl and fewer turns per minute: missed
+    slow = _repeated("tiered-adaptive", lambda i: 0.4, 800, 10, t_end=80.0)
+    assert {t.name: t for t in evaluate([rc, dt, slow])}[name].status == "missed"
+    # two repeats: turns/min cannot decide, and a slower TTFT alone is not a miss
+    two = _repeated("tiered-adaptive", lambda i: 0.4, 800, 10, n=2, t_end=80.0)
+    t = {t.name: t for t in evaluate([_repeated("device-ttl", lambda i: 0.3, 800, 100, n=2),
+                                      two])}[name]
+    assert t.status == "not resolved" and "not decidable" in t.value, t
