@@ -384,6 +384,10 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
         rg = meta["regime"]
         lines.append(f"- Regime: {rg.get('description') or '(no description)'}; settings: "
                      + ", ".join(f"{k}={v}" for k, v in rg.items() if k != "description"))
+    if meta.get("repeats_completed"):
+        lines += ["", f"**Interrupted run.** Repeats completed: {meta['repeats_completed']}; "
+                  "only the repeats every strategy finished are in the tables (the one cut "
+                  "short is in `logs/`)."]
     if meta.get("failed_strategies"):
         lines += ["", "**Incomplete run.** These strategies failed and are not in the tables "
                   "(their logs are under `logs/<strategy>/`):"]

@@ -315,3 +315,14 @@ def test_the_report_names_the_gpu_nvidia_smi_reports(tmp_path, monkeypatch):
     assert "GPU: NVIDIA H100 80GB HBM3" in md.read_text()
     monkeypatch.setenv("PATH", "/nonexistent")
     assert "gpus" not in environment_meta()
+
+
+def test_an_interrupted_run_says_so_in_its_report():
+    """A run cut short (Ctrl-C, a device budget's timeout) reports only the repeats every
+    strategy finished; its header says how many of how many."""
+    from kvtier.ab.report import markdown
+
+    r = RunResult("recompute", [], [], {"t_end": 1.0})
+    md = markdown([r], {"trace": "t", "repeats_completed": "2 of 3 (interrupted)"}, plots=False)
+    assert "**Interrupted run.** Repeats completed: 2 of 3 (interrupted)" in md
+    assert "Interrupted" not in markdown([r], {"trace": "t"}, plots=False)

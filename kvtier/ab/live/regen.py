@@ -121,8 +121,10 @@ def regime_table(name: str, run: Run) -> str:
     meta, results = run.meta, run.results
     env = meta.get("environment", {})
     reps = max((int(r.meta.get("repeats", 1)) for r in results), default=1)
+    done = meta.get("repeats_completed")
     out = [f"### {name}: {meta.get('trace')} (time scale {meta.get('time_scale')}, "
-           f"{reps} repeat(s), commit {str(env.get('git_commit', '?'))[:10]})", "",
+           + (f"{done} repeats" if done else f"{reps} repeat(s)")
+           + f", commit {str(env.get('git_commit', '?'))[:10]})", "",
            intervals_markdown(results), "", pairwise_markdown(results), ""]
     same = same_path_markdown(results)
     if same:  # tiered-adaptive against each strategy, on the turns both took the same way
