@@ -92,9 +92,9 @@ class Placement:
     demoted: list[int] = field(default_factory=list)  # spinning thread ids given low priority
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, proc: Path) -> list[int]:
     out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    for task in (proc / str(pid) / "task").glob("*"):
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
@@ -102,11 +102,13 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def descendants(pid: int) -> list[int]:
+def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """Every process under ``pid`` alive now (its threads' ``children`` files), nearest first
+    (``proc``: another root, for tests)."""
     seen, todo = [], [pid]
     while todo:
         p = todo.pop()
-        for c in _children(p):
+        for c in _children(p, proc):
             if c not in seen:
                 seen.append(c)
                 todo.append(c)

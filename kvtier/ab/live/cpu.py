@@ -9,8 +9,9 @@ run records, from ``/proc`` (Linux; elsewhere nothing is recorded):
 - ``machine_busy_s``: the machine's busy CPU over the run (``/proc/stat``: every state but
   idle and iowait; guest time is inside user);
 - ``ours_s``: the CPU of this process and every descendant (the harness, and the stack, router
-  and indexer it started), alive or reaped by one of them (``/proc/PID/stat``: utime + stime,
-  plus cutime + cstime of reaped children);
+  and indexer it started; found as ``kvtier ab``'s placement finds engine workers), alive or
+  reaped by one of them (``/proc/PID/stat``: utime + stime, plus cutime + cstime of reaped
+  children);
 - ``foreign_s`` = busy - ours: CPU used by anything else on the machine (another benchmark, a
   test run, a build); ``foreign_share``: that over the run's capacity (wall x cores);
 - ``steal_s``: CPU the hypervisor gave other guests while this one wanted it.
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.devstack.placement import descendants
+
 PROC = Path("/proc")
 
 
@@ -39,6 +42,7 @@ class CpuSnapshot:
     busy_s: float     # the machine's busy CPU since boot
     steal_s: float
     ours_s: float     # this process's tree
+    cores: int
 
 
 def _ticks() -> float:
@@ -61,41 +65,24 @@ def machine_busy(proc: Path = PROC) -> tuple[float, float, int] | None:
     return (user + nice + system + irq + softirq + steal) / hz, steal / hz, max(cores, 1)
 
 
-def _stat(pid: str, proc: Path) -> tuple[int, float] | None:
-    """(ppid, CPU seconds: own + reaped children's) of one process; None when it is gone."""
+def _cpu_s(pid: int, proc: Path) -> float:
+    """CPU seconds of one process, own and its reaped children's; 0 when it is gone."""
     try:
-        raw = (proc / pid / "stat").read_text()
+        raw = (proc / str(pid) / "stat").read_text()
     except OSError:
-        return None
+        return 0.0
     rest = raw[raw.rfind(")") + 2:].split()  # after "pid (comm) "
     try:
-        ppid = int(rest[1])
-        utime, stime, cutime, cstime = (int(x) for x in rest[11:15])
+        return sum(int(x) for x in rest[11:15]) / _ticks()  # utime stime cutime cstime
     except (IndexError, ValueError):
-        return None
-    return ppid, (utime + stime + cutime + cstime) / _ticks()
+        return 0.0
 
 
 def tree_cpu(root: int | None = None, proc: Path = PROC) -> float:
-    """CPU seconds of ``root`` (this process) and every descendant alive now, with what each
-    reaped of its children."""
+    """CPU seconds of ``root`` (this process) and every descendant alive now
+    (``kvtier.devstack.placement.descendants``), with what each reaped of its children."""
     root = os.getpid() if root is None else root
-    stats: dict[int, tuple[int, float]] = {}
-    for d in proc.iterdir():
-        if d.name.isdigit():
-            s = _stat(d.name, proc)
-            if s is not None:
-                stats[int(d.name)] = s
-    kids: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        kids.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in stats:
-            total += stats[pid][1]
-        todo.extend(kids.get(pid, ()))
-    return total
+    return sum(_cpu_s(p, proc) for p in (root, *descendants(root, proc)))
 
 
 def snapshot(proc: Path = PROC) -> CpuSnapshot | None:
@@ -103,15 +90,10 @@ def snapshot(proc: Path = PROC) -> CpuSnapshot | None:
     m = machine_busy(proc)
     if m is None:
         return None
-    return CpuSnapshot(time.monotonic(), m[0], m[1], tree_cpu(proc=proc))
+    return CpuSnapshot(time.monotonic(), m[0], m[1], tree_cpu(proc=proc), m[2])
 
 
-def cores(proc: Path = PROC) -> int:
-    m = machine_busy(proc)
-    return m[2] if m is not None else (os.cpu_count() or 1)
-
-
-def account(start: CpuSnapshot | None, end: CpuSnapshot | None, n_cores: int,
+def account(start: CpuSnapshot | None, end: CpuSnapshot | None,
             stack_is_ours: bool = True) -> dict[str, Any] | None:
     """``meta["cpu"]`` of a run between two snapshots (module docstring); None when either is
     missing."""
@@ -121,8 +103,8 @@ def account(start: CpuSnapshot | None, end: CpuSnapshot | None, n_cores: int,
     busy = max(end.busy_s - start.busy_s, 0.0)
     ours = max(end.ours_s - start.ours_s, 0.0)
     foreign = max(busy - ours, 0.0)
-    return {"wall_s": round(wall, 1), "cores": n_cores, "machine_busy_s": round(busy, 1),
+    return {"wall_s": round(wall, 1), "cores": end.cores, "machine_busy_s": round(busy, 1),
             "ours_s": round(ours, 1), "foreign_s": round(foreign, 1),
-            "foreign_share": round(foreign / (wall * n_cores), 4),
+            "foreign_share": round(foreign / (wall * end.cores), 4),
             "steal_s": round(max(end.steal_s - start.steal_s, 0.0), 1),
             "stack_is_ours": stack_is_ours}

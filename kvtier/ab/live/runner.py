@@ -496,7 +496,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
         sampler_t.join(timeout=10)
         bar.close()
     t_end = time.perf_counter() - t_run
-    cpu_used = cpu.account(cpu0, cpu.snapshot(), cpu.cores(), target.stack_is_ours)
+    cpu_used = cpu.account(cpu0, cpu.snapshot(), target.stack_is_ours)
     xfer = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum")
                for u in target.prefill_urls) - xfer0
     split_transfer(records, xfer)
