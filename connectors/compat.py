@@ -114,6 +114,16 @@ def nixl_pending_sends(connector: Any) -> dict[str, float]:
     return pending
 
 
+def nixl_unsent(connector: Any) -> set[str]:
+    """NixlConnector's scheduler-side set of finished requests whose blocks no remote reader
+    will take (``connector_scheduler._reqs_not_processed``: vLLM's own path for an aborted
+    request). ``build_connector_meta`` hands it to the workers, which stop tracking those
+    requests; a request the scheduler decided not to keep after all goes there."""
+    sched = connector.connector_scheduler
+    unsent: set[str] = sched._reqs_not_processed
+    return unsent
+
+
 # -- vLLM's CPU offloading with secondary tiers (TieringOffloadingSpec) ----------------------
 
 def secondary_tier_factory() -> Any:

@@ -30,6 +30,10 @@ would land after it), and a router renews or releases leases by request id over 
 (``kvtier.wire.leases``). Renewed and released deadlines reach the workers in the next
 step's metadata, the way vLLM sends the first one; the TTL stays the upper bound.
 
+A decode leg whose kv_transfer_params say ``kvtier_decode_retain: false`` (the router's hold
+policy would release the turn at once) keeps nothing: its blocks are freed when it finishes,
+as on a unidirectional decode node, and the params it returns and publishes name no blocks.
+
 vLLM checks a few features by the connector *name* "NixlConnector" (decode context
 parallelism, MLA, SSM state layout, routed experts, HiSparse); none applies to kvtier's
 models, and this class is a NixlConnector for every ``isinstance`` check.
@@ -86,31 +90,44 @@ class KVTierNixlConnector(_NixlConnector):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
-        self._lease(request, delay, params, len(block_ids))
+        delay, params = self._keep(request, delay, params, len(block_ids))
         self._publish(request, params)
         return delay, params
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)
-        self._lease(request, delay, params, sum(len(g) for g in block_ids))
+        delay, params = self._keep(request, delay, params, sum(len(g) for g in block_ids))
         self._publish(request, params)
         return delay, params
 
-    def _lease(self, request: Request, delay: bool, params: dict[str, Any] | None,
-               blocks: int) -> None:
-        """Put a decode node's retained turn under a lease (see the module docstring)."""
-        if self._leases is None or not delay or not params or not params.get("do_remote_decode"):
-            return
+    def _keep(self, request: Request, delay: bool, params: dict[str, Any] | None,
+              blocks: int) -> tuple[bool, dict[str, Any] | None]:
+        """What becomes of a decode node's retained turn (see the module docstring): freed
+        now when the request asked to keep nothing, else held under a lease (with leases)."""
+        if not delay or not params or not params.get("do_remote_decode"):
+            return delay, params
         rid = str(request.request_id)
         pending = compat.nixl_pending_sends(self)
         bound = pending.get(rid)
         if bound is None:
-            return
-        asked = (request.kv_transfer_params or {}).get(lease_wire.PARAM_KEY)
-        deadline = self._leases.grant(rid, blocks, bound, asked)
+            return delay, params
+        asked = request.kv_transfer_params or {}
+        if asked.get(lease_wire.RETAIN_KEY) is False:
+            # NixlConnector retained it for a read nobody will make: undo that the way vLLM
+            # drops an aborted request (workers told to forget it, blocks freed now).
+            del pending[rid]
+            compat.nixl_unsent(self).add(rid)
+            if self._leases is not None:
+                self._leases.table.not_retained()
+            return False, {**params, "remote_block_ids": [], "remote_num_tokens": 0,
+                           "remote_blocks_expiry_time": None}
+        if self._leases is None:
+            return delay, params
+        deadline = self._leases.grant(rid, blocks, bound, asked.get(lease_wire.PARAM_KEY))
         pending[rid] = deadline
         params["remote_blocks_expiry_time"] = deadline
+        return delay, params
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self._leases is not None:

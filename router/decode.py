@@ -11,7 +11,9 @@ the router's lease when the node has leases) and serves the client in one of thr
 - **relay only**: decode's stream is relayed and nothing is kept (``passthrough``, a
   streaming client that named no conversation, a Responses stream without a feed).
 
-What D kept is retained in the store and held by ``Retention``. A leg that fails is retried
+What D kept is retained in the store and held by ``Retention``, for the hold it chose before
+the leg; a named conversation's turn it would release at once is not kept at all (the leg
+asks D to keep nothing: ``kvtier_decode_retain: false``). A leg that fails is retried
 on another decode instance (``RetryPolicies.decode``); when none is left, ``run`` returns
 the spent ``Attempts`` and the flow serves the request direct.
 
@@ -87,8 +89,16 @@ class DecodeLeg:
                     turn.log.capture = "feed"
                 else:
                     tag = None
+            # The hold is chosen before the leg: a turn the policy would release at once is
+            # not retained at all (a named conversation's: an unnamed one is found again by
+            # the content of the turn the store keeps).
+            hold = (self.retention.plan(str(conv), d.name)
+                    if (tag is not None or capture) and conv is not None else None)
+            turn.log.hold = hold
             body = decode_body(inb, params, turn.ids, stream=upstream_stream, want_ids=capture,
                                lease_s=self.retention.lease_s(d.name),
+                               retain=(hold is None or hold.retains
+                                       or inb.conversation is None),
                                feed_tag=tag)
             headers = tagged(turn.headers, tag) if tag is not None else turn.headers
             try:
@@ -128,9 +138,8 @@ class DecodeLeg:
             first = choices[0] if isinstance(choices, list) and choices else None
             gen = first.get("token_ids") if isinstance(first, dict) else None
         if params is not None and isinstance(gen, list):
-            held = await self.retain(conv, turn.tenant, d, params, [*ids, *gen], len(ids))
-            if held is not None:
-                turn.log.hold = held
+            turn.log.hold = await self.retain(conv, turn.tenant, d, params, [*ids, *gen],
+                                              len(ids), turn.log.hold)
 
     async def retain_finished(self, turn: Turn, d: InstanceState,
                               msg: FinishedParams) -> None:
@@ -141,24 +150,30 @@ class DecodeLeg:
                 ids is not None and tokens[:len(ids)] != ids):
             return  # not the prompt this router proved and sent: do not trust it
         await self.retain(turn.conversation, turn.tenant, d, params, list(tokens),
-                          len(ids) if ids else 0)
+                          len(ids) if ids else 0, turn.log.hold)
 
     async def retain(self, conv: ConversationId, tenant: str, d: InstanceState,
                      params: KVTransferParams, token_ids: list[int], prompt_len: int,
-                     ) -> Held | None:
-        """Keep D's params for the next turn and start holding its blocks; the hold chosen
-        (None: nothing held under a lease)."""
+                     held: Held | None = None) -> Held | None:
+        """Keep D's params for the next turn and start holding its blocks for ``held`` (the
+        hold planned before the leg; None: chosen now); the hold (None: nothing held under a
+        lease). A turn D kept nothing of (asked to) only starts its conversation's wait."""
         if not params.nixl or not params.nixl.has_remote_blocks:
+            self.retention.finished(tenant, str(conv), max(0, len(token_ids) - 1))
+            if held is not None and not held.retains:
+                self.retention.not_retained(str(conv), d.name, held)
+                return held
             return None
         entry = RetainedKV.build(conv, tenant, d.name, params.nixl, token_ids,
                                  time.monotonic() + self.cfg.entry_ttl_s, prompt_len)
+        self.retention.finished(tenant, str(conv), len(entry.covered))
         # Written after the answer: not awaited (a write that fails later goes to the
         # store's on_evict, which releases the hold started here).
         if not self.store.put_soon(entry):
             # Not kept (store down or full): nobody will offer these blocks again.
             self.retention.ended(entry, False, ReleaseReason.DROPPED)
             return None
-        return self.retention.retained(entry)
+        return self.retention.retained(entry, held)
 
     def _answer(self, turn: Turn, resp: dict[str, object]) -> Reply:
         inb = turn.inb

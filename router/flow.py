@@ -239,20 +239,22 @@ class Router:
                 self._looked_up(entry, expired, "implicit")
                 conv = conv or found
         back = entry.conversation if entry is not None else conv
+        prior = 0
         if back is not None:
             # The conversation came back: its wait feeds the hold policy whether or not its
             # turn was still stored. A wait that outlived the store's entry is the one a hold
             # must learn about; counting only the turns found (as before) showed the policy
             # only waits shorter than the entry's TTL, so it never held longer (a host-scarce
             # run: holds of 19-22 s while a third of the waits ran 23-77 s).
-            self.retention.arrived(tenant, back)
+            prior = self.retention.arrived(tenant, back)
         if entry is not None:
             if ids is None:
                 ids = await self.prefill.tokenize(inb, headers)
             decision, refusal = self._prove(entry, ids)
         if conv is None and self.cfg.implicit_sessions:
             conv = ConversationId("~" + uuid.uuid4().hex[:20])
-        turn = Turn(inb, headers, tenant, conv, ids, entry, log=TurnLog(session=conv))
+        turn = Turn(inb, headers, tenant, conv, ids, entry, log=TurnLog(session=conv),
+                    left=prior)
         turn.decide(decision, refusal)
         return await self._pd(turn)
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from kvtier.ids import ConversationId
 from kvtier.transfer_params import INBOUND_STRIP_KEYS, KVTransferParams, NixlParams
 from kvtier.wire.leases import PARAM_KEY as LEASE_PARAM
+from kvtier.wire.leases import RETAIN_KEY as RETAIN_PARAM
 
 MAX_CONVERSATION_ID_LEN = 256
 # Options that mean nothing for a 1-token, non-streaming prefill leg (or that
@@ -287,11 +288,12 @@ def prefill_body(inb: Inbound, kv: KVTransferParams, prompt_ids: tuple[int, ...]
 
 def decode_body(inb: Inbound, handoff: NixlParams | None, prompt_ids: tuple[int, ...] | None,
                 *, stream: bool, want_ids: bool, lease_s: float | None = None,
-                feed_tag: str | None = None) -> dict[str, Any]:
+                retain: bool = True, feed_tag: str | None = None) -> dict[str, Any]:
     """A decode leg: the client's request with the prefill's ``handoff`` (where to read the
     prompt's KV). ``want_ids``: the answer carries the prompt's and the generated token ids
     (non-streamed, to retain the turn); ``lease_s``: the decode node's lease the router asks
-    for; ``feed_tag``: the tag of this leg on the node's params feed (a Responses leg carries
+    for; ``retain`` False: the node is to keep nothing of the turn (``kvtier_decode_retain``);
+    ``feed_tag``: the tag of this leg on the node's params feed (a Responses leg carries
     it in its request id; other endpoints in the ``X-Request-Id`` header, ``tagged``)."""
     body = copy.copy(inb.body)
     body["stream"] = stream
@@ -304,6 +306,8 @@ def decode_body(inb: Inbound, handoff: NixlParams | None, prompt_ids: tuple[int,
     kv: dict[str, Any] = handoff.model_dump(exclude_none=True) if handoff is not None else {}
     if handoff is not None and lease_s is not None:
         kv[LEASE_PARAM] = lease_s
+    if handoff is not None and not retain:
+        kv[RETAIN_PARAM] = False
     _attach_ids(inb, body, kv, prompt_ids)
     if kv:
         body["kv_transfer_params"] = kv

@@ -6,13 +6,17 @@ long as somebody renews their lease. ``Retention`` is the flow's one handle on t
 
 - ``lease_s`` is the router's lease (``decode_lease_s``) each decode leg asks for in its
   params (``requests.decode_body``), so the node grants that lease whatever its own default;
-- ``retained`` starts holding a turn the store kept: with ``retention: renew`` for as long as
+- ``plan`` chooses a turn's hold before its decode leg; ``retained`` starts holding the turn
+  the store kept: with ``retention: renew`` for as long as
   the store keeps the entry, with ``retention: adaptive`` for what ``HoldPolicy`` chose from the
   cost model, the waits observed so far and how often host copies survived (``host_seen``,
   from the indexer at each continuation turn) (0 s: released at once, the host copy or a
   recompute serves the next turn), with ``hold_pressure`` priced by the decode node's current
   KV pressure (``pressure``: ``router/pressure.py``, sampled by the health loop). The choice
-  and its inputs go to the log and the metrics;
+  and its inputs go to the log and the metrics. A hold of 0 s planned for a named
+  conversation is not retained at all: its decode leg asks the node to keep nothing
+  (``kvtier_decode_retain: false``), so its blocks are never pinned and no release is sent
+  (``not_retained``). ``finished`` starts the conversation's wait either way;
 - ``confirm`` renews a taken turn's lease right before its params are offered to a prefill
   (one round trip; for at least ``READ_WINDOW_S``: a prefill declines a read within 5 s of
   the deadline) and patches the fresh deadline into ``remote_blocks_expiry_time``, so a
@@ -102,6 +106,13 @@ class Held:
     samples: int       # waits the choice was made from
     host_odds: float | None = None  # with ``host_copy``: how often host copies survived
     pressure: float | None = None   # with ``hold_pressure``: the decode node's price factor
+    why: str = ""      # the policy's explanation (the ``hold`` line's ``why``)
+
+    @property
+    def retains(self) -> bool:
+        """Whether the decode node is to keep the turn at all (a hold of 0 s: it keeps
+        nothing; ``kvtier_decode_retain: false`` in the decode leg)."""
+        return self.hold_s > 0
 
     def fields(self) -> dict[str, object]:
         out: dict[str, object] = {"hold_s": self.hold_s, "hold_basis": self.basis,
@@ -170,30 +181,54 @@ class Retention:
         """The lease a decode leg on ``pod`` asks for (None: the node has no leases)."""
         return self.cfg.decode_lease_s if self.has(pod) else None
 
-    # ---- a turn was kept ---------------------------------------------------------
-    def retained(self, entry: RetainedKV) -> Held | None:
-        """Start holding ``entry``'s blocks; the choice (None: not held under a lease)."""
-        pod, rid = entry.decode_pod, entry.params.remote_request_id
-        key = (entry.tenant, str(entry.conversation))
-        self._remember(self._last, key, (time.monotonic(), len(entry.covered)))
-        if rid is None or not self.has(pod):
+    # ---- a turn is decoded, then kept ----------------------------------------------------
+    def plan(self, conversation: str, pod: PodId) -> Held | None:
+        """The hold of the turn a decode leg on ``pod`` is about to finish (None: the node
+        has no leases). Decided before the leg, so a turn the policy would release at once
+        is not retained at all (``Held.retains``: the leg asks the node to keep nothing);
+        ``retained`` or ``not_retained`` logs and counts it once the leg is over."""
+        if not self.has(pod):
             return None
-        choice = self._choose(str(entry.conversation), pod)
+        choice = self._choose(conversation, pod)
         hold = min(choice.hold_s, self.cfg.entry_ttl_s)
-        self.metrics.hold_choices.labels(choice.basis, "hold" if hold > 0 else "release").inc()
-        self.metrics.hold_seconds.observe(hold)
-        held = Held(round(hold, 1), choice.basis, choice.samples,
+        return Held(round(hold, 1), choice.basis, choice.samples,
                     round(choice.host_odds, 2)
                     if self.policy is not None and self.policy.host_copy else None,
-                    round(choice.pressure, 3) if self.pressure is not None else None)
-        if self.policy is not None:
-            log.info("hold", extra={"conversation_id": str(entry.conversation), "pod": pod,
-                                    **held.fields(), "why": choice.explanation})
-        if hold <= 0:
+                    round(choice.pressure, 3) if self.pressure is not None else None,
+                    choice.explanation)
+
+    def finished(self, tenant: str, conversation: str, tokens: int) -> None:
+        """A conversation's turn finished, leaving ``tokens`` of KV behind (retained or not):
+        the start of the wait its next turn ends (``arrived``)."""
+        self._remember(self._last, (tenant, conversation), (time.monotonic(), tokens))
+
+    def retained(self, entry: RetainedKV, held: Held | None = None) -> Held | None:
+        """Start holding ``entry``'s blocks for ``held`` (``plan``'s choice; None: choose
+        now); the choice (None: not held under a lease)."""
+        pod, rid = entry.decode_pod, entry.params.remote_request_id
+        if rid is None or not self.has(pod):
+            return None
+        if held is None:
+            held = self.plan(str(entry.conversation), pod)
+            assert held is not None  # has(pod)
+        self._chosen(str(entry.conversation), pod, held)
+        if not held.retains:  # a node that kept the turn though asked not to
             self._release_soon(pod, [rid], ReleaseReason.MOVED)
             return held
-        self.keeper.track(pod, rid, hold)
+        self.keeper.track(pod, rid, held.hold_s)
         return held
+
+    def not_retained(self, conversation: str, pod: PodId, held: Held) -> None:
+        """The decode leg asked ``pod`` to keep nothing (``held`` releases at once), and it
+        did not: counted and logged as that release."""
+        self._chosen(conversation, pod, held)
+
+    def _chosen(self, conversation: str, pod: PodId, held: Held) -> None:
+        self.metrics.hold_choices.labels(held.basis, "hold" if held.retains else "release").inc()
+        self.metrics.hold_seconds.observe(held.hold_s)
+        if self.policy is not None:
+            log.info("hold", extra={"conversation_id": conversation, "pod": pod,
+                                    **held.fields(), "why": held.why})
 
     def _choose(self, conversation: str, pod: PodId) -> HoldChoice:
         if self.policy is None:
@@ -203,13 +238,16 @@ class Retention:
         return self.policy.choose(conversation, f)
 
     # ---- a turn was taken ------------------------------------------------------------
-    def arrived(self, tenant: str, conversation: str) -> None:
+    def arrived(self, tenant: str, conversation: str) -> int:
         """A conversation's next turn arrived, whether or not its turn was still stored: its
         wait feeds the adaptive policy (the waits that outlive a hold are the ones it must
-        see)."""
+        see). Returns the tokens its previous turn left (0: none known here)."""
         last = self._last.pop((tenant, conversation), None)
-        if last is not None and self.policy is not None:
+        if last is None:
+            return 0
+        if self.policy is not None:
             self.policy.observe(conversation, time.monotonic() - last[0], last[1])
+        return last[1]
 
     def host_seen(self, conversation: str, host_tokens: int, prior_tokens: int) -> None:
         """At a continuation turn: the indexer says a host tier holds ``host_tokens`` of this

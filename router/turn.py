@@ -86,6 +86,7 @@ class Turn:
     decision: ReuseDecision = NO_REUSE
     report: ReuseReport = field(default_factory=ReuseReport)
     log: TurnLog = field(default_factory=TurnLog)
+    left: int = 0  # tokens the conversation's previous turn left, retained or not (0: unknown)
 
     def decide(self, decision: ReuseDecision, refusal: str | None = None) -> None:
         """What the retained turn allows (and, when nothing, why not): the outcome every
@@ -104,5 +105,7 @@ class Turn:
 
     @property
     def prior_tokens(self) -> int:
-        """What the conversation's previous turn left (0: not a continuation)."""
-        return len(self.entry.covered) if self.entry is not None else 0
+        """What the conversation's previous turn left (0: not a continuation): its retained
+        turn's tokens, else what the router saw it leave (a turn the decode node did not
+        keep)."""
+        return len(self.entry.covered) if self.entry is not None else self.left

@@ -23,6 +23,7 @@ table as Prometheus metrics (prefix ``kvtier_decode_``, label ``pod``):
 blocks_retained / leases_held        gauge    blocks (and turns) now held under a lease
 block_seconds_held_total             counter  integral of blocks_retained over time
 leases_granted_total                 counter  turns that finished with retained blocks
+turns_not_retained_total             counter  turns that asked to keep nothing (freed at once)
 leases_renewed_total                 counter  renewals that extended a live lease
 leases_released_total{reason}        counter  early releases (closed|dropped|trimmed|moved|other)
 leases_expired_total                 counter  leases that ran out (not renewed, or TTL bound)
@@ -86,7 +87,8 @@ class LeaseTable:
         self._blocks = 0
         self._block_seconds = 0.0
         self._since = clock()
-        self.counts: dict[str, int] = {"granted": 0, "renewed": 0, "expired": 0, "read": 0}
+        self.counts: dict[str, int] = {"granted": 0, "renewed": 0, "expired": 0, "read": 0,
+                                       "not_retained": 0}
         self.released: dict[str, int] = {r.value: 0 for r in ReleaseReason}
         # How long after its deadline the engine freed an expired lease's blocks.
         self._lag_total = 0.0
@@ -106,6 +108,12 @@ class LeaseTable:
             self._blocks += blocks
             self.counts["granted"] += 1
             return deadline
+
+    def not_retained(self) -> None:
+        """A finished turn asked to keep nothing (``kvtier_decode_retain: false``): its blocks
+        were freed at once, no lease granted."""
+        with self._lock:
+            self.counts["not_retained"] += 1
 
     def take_updates(self) -> dict[str, float]:
         """Deadlines changed since the last call (request id -> new deadline)."""
@@ -259,6 +267,8 @@ class LeaseCollector(Collector):
                         s["block_seconds_held"])
         yield self._fam(c, "leases_granted", "Turns that finished with retained blocks",
                         s["granted"])
+        yield self._fam(c, "turns_not_retained", "Turns that asked to keep nothing (their "
+                        "blocks freed when they finished)", s["not_retained"])
         yield self._fam(c, "leases_renewed", "Renewals that extended a lease", s["renewed"])
         yield self._fam(c, "leases_expired", "Leases that ran out", s["expired"])
         yield self._fam(c, "leases_read", "Leases ended by the next turn's read", s["read"])

@@ -36,6 +36,10 @@ OFFSET_KEY = "lease_port_offset"
 LEASE_KEY = "decode_lease_s"
 # A per-request lease in the decode leg's kv_transfer_params (the router's choice).
 PARAM_KEY = "kvtier_decode_lease_s"
+# ``false`` in the decode leg's kv_transfer_params: keep nothing of this turn (its blocks are
+# freed when it finishes, as on a unidirectional decode node, and the params it returns name
+# no blocks). The router sends it for a turn its hold policy would release at once anyway.
+RETAIN_KEY = "kvtier_decode_retain"
 
 
 class Op(StrEnum):

@@ -23,7 +23,14 @@ import pytest
 from kvtier.configs import load_config_file
 from kvtier.devstack.spec import StackSpec
 from kvtier.transfer_params import KVTransferParams, NixlParams
-from kvtier.wire.leases import PARAM_KEY, LeaseRequest, Op, ReleaseReason, call
+from kvtier.wire.leases import (
+    PARAM_KEY,
+    RETAIN_KEY,
+    LeaseRequest,
+    Op,
+    ReleaseReason,
+    call,
+)
 from tests.e2e.pd import complete, metric, reset_prefix_cache
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -96,6 +103,35 @@ def test_unrenewed_lease_frees_blocks_after_one_lease(http, stack, tiny_model):
     assert took >= 2.5, f"blocks freed after {took:.1f} s, before the lease ran out"
     assert metric(http, mets, "kvtier_decode_leases_expired_total") == exp0 + 1
     assert call(ctl, LeaseRequest(Op.STATS)).stats["leases_held"] == 0
+
+
+def test_a_turn_asked_not_to_be_retained_keeps_nothing(http, stack, tiny_model):
+    """``kvtier_decode_retain: false`` (the router would release the turn at once): D frees the
+    turn's blocks when it finishes, names none in its params, grants no lease, and serves
+    the same answer."""
+    P, D = stack.prefill[0].url, stack.decode[0].url
+    ctl, mets = _endpoints(stack)
+    _idle(http, stack)
+    n0 = metric(http, mets, "kvtier_decode_turns_not_retained_total")
+    g0 = metric(http, mets, "kvtier_decode_leases_granted_total")
+    prompt = _prompt(4)
+    pre = complete(http, P, tiny_model, prompt, 1, KVTransferParams.prefill_request().to_wire())
+    dec = complete(http, D, tiny_model, prompt, 16,
+                   {**pre["kv_transfer_params"], RETAIN_KEY: False})
+    kvp = dec["kv_transfer_params"]
+    assert not kvp.get("remote_block_ids") and not kvp.get("remote_num_tokens"), kvp
+    assert not NixlParams.model_validate(kvp).has_remote_blocks
+    assert _wait(lambda: metric(http, D, USAGE) == 0, 2, step=0.05) is not None, \
+        "a turn asked not to be retained still holds blocks"
+    assert metric(http, mets, "kvtier_decode_turns_not_retained_total") == n0 + 1
+    assert metric(http, mets, "kvtier_decode_leases_granted_total") == g0
+    assert call(ctl, LeaseRequest(Op.STATS)).stats["leases_held"] == 0
+    # the same turn retained: same tokens (keeping nothing changes no answer)
+    kept = _turn(http, stack, tiny_model, prompt, lease_s=3)
+    assert kept["ids"] == prompt + dec["choices"][0]["token_ids"]
+    release = LeaseRequest(Op.RELEASE, (kept["params"]["remote_request_id"],),
+                           reason=ReleaseReason.CLOSED)
+    assert call(ctl, release).ok
 
 
 def test_renewed_lease_outlives_several_leases_and_release_frees_within_2s(http, stack,

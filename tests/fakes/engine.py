@@ -66,6 +66,7 @@ from typing import Any
 
 import httpx
 
+from kvtier.wire.leases import RETAIN_KEY
 from kvtier.wire.params_feed import FinishedParams
 
 GEN = [901, 902, 903]  # what every decode generates
@@ -106,6 +107,8 @@ class FakeEngines(httpx.AsyncBaseTransport):
     # token ids a Responses engine renders before the input that /tokenize does not (an
     # engine whose Responses rendering differs from its chat rendering)
     responses_render_prefix: list[int] = field(default_factory=list)
+    # a decode node whose connector predates ``kvtier_decode_retain``: it keeps every turn
+    ignore_retain: bool = False
 
     def fail(self, url: str, *faults: Fault) -> None:
         self.faults.setdefault(url, []).extend(faults)
@@ -134,6 +137,9 @@ class FakeEngines(httpx.AsyncBaseTransport):
                 "target_matched_tokens": 0, "delta": src["matched_tokens"] if src else 0})
         self.calls.append(Call(url, path, body, {k.lower(): v for k, v in request.headers.items()},
                                raw))
+        if self.ignore_retain and isinstance(body.get("kv_transfer_params"), dict):
+            body = {**body, "kv_transfer_params": {
+                k: v for k, v in body["kv_transfer_params"].items() if k != RETAIN_KEY}}
         if path == "/tokenize":
             return httpx.Response(200, json={"tokens": _chat_ids(body)})
         queued = self.faults.get(url)
@@ -152,13 +158,16 @@ class FakeEngines(httpx.AsyncBaseTransport):
                 # vLLM's Responses request id is the body's request_id
                 prompt = [*self.responses_render_prefix, *_responses_ids(body)]
                 self.feed(url, FinishedParams(str(body.get("request_id", "resp_x")),
-                                              _d_params(url, prompt), (*prompt, *GEN)))
+                                              _d_params(url, prompt, body["kv_transfer_params"]),
+                                              (*prompt, *GEN)))
             return _responses(url, path, body, len(self.calls), self.responses_render_prefix)
         resp = _answer(url, path, body, self.stream_params)
         if self.feed is not None and body.get("stream") and path.endswith("completions"):
             prompt = _prompt_ids(path, body)
             rid = f"cmpl-{request.headers.get('x-request-id', '')}-0-1a2b3c4d"
-            self.feed(url, FinishedParams(rid, _d_params(url, prompt), (*prompt, *GEN)))
+            self.feed(url, FinishedParams(rid, _d_params(url, prompt,
+                                                         body.get("kv_transfer_params")),
+                                          (*prompt, *GEN)))
         return resp
 
 
@@ -194,7 +203,7 @@ def _responses(url: str, path: str, body: dict[str, Any], n: int,
     if prefill:
         resp["kv_transfer_params"] = {"do_remote_prefill": True, **_blocks(url, "P", len(prompt))}
     elif kvp is not None:
-        resp["kv_transfer_params"] = _d_params(url, prompt)
+        resp["kv_transfer_params"] = _d_params(url, prompt, kvp)
     if body.get("enable_response_messages"):
         resp["input_messages"] = [{"message": "", "tokens": prompt, "type": "raw_message_tokens"}]
         resp["output_messages"] = [{"message": "abc", "tokens": gen,
@@ -211,9 +220,14 @@ def _responses(url: str, path: str, body: dict[str, Any], n: int,
                           headers={"content-type": "text/event-stream"})
 
 
-def _d_params(url: str, prompt: list[int]) -> dict[str, Any]:
-    # Bidirectional D: keeps prompt + generated KV (the last sampled token never ran).
-    return {"do_remote_decode": True, **_blocks(url, "D", len(prompt) + len(GEN) - 1)}
+def _d_params(url: str, prompt: list[int], asked: dict[str, Any] | None = None,
+              ) -> dict[str, Any]:
+    # Bidirectional D: keeps prompt + generated KV (the last sampled token never ran), unless
+    # the leg asked it to keep nothing (KVTierNixlConnector: no blocks named).
+    kept = {"do_remote_decode": True, **_blocks(url, "D", len(prompt) + len(GEN) - 1)}
+    if (asked or {}).get(RETAIN_KEY) is False:
+        kept.update(remote_block_ids=[], remote_num_tokens=0, remote_blocks_expiry_time=None)
+    return kept
 
 
 def _chat_ids(body: dict[str, Any]) -> list[int]:
@@ -262,7 +276,7 @@ def _answer(url: str, path: str, body: dict[str, Any],
         resp["kv_transfer_params"] = {"do_remote_prefill": True,
                                       **_blocks(url, "P", len(prompt))}
     elif body.get("kv_transfer_params") is not None or body.get("return_token_ids"):
-        resp["kv_transfer_params"] = _d_params(url, prompt)
+        resp["kv_transfer_params"] = _d_params(url, prompt, body.get("kv_transfer_params"))
     if body.get("stream"):
         return _sse(resp, chat, stream_params)
     return httpx.Response(200, json=resp)

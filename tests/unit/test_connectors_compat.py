@@ -136,6 +136,30 @@ def test_nixl_pending_sends_is_the_map_the_workers_take_deadlines_from():
     assert compat.nixl_pending_sends(Conn()) == {"r": 1.0}
 
 
+def test_nixl_unsent_is_the_set_the_workers_stop_tracking():
+    """A turn asked not to be retained leaves ``_reqs_need_send`` and joins
+    ``_reqs_not_processed`` (vLLM's path for an aborted request): that only frees it cleanly
+    while build_connector_meta hands the set to the workers and the pull worker discards
+    those requests from what it tracks."""
+    nixl = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler")
+    pull_w = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker")
+    base_s = nixl.NixlBaseConnectorScheduler
+    assert "self._reqs_not_processed: set[ReqId] = set()" in inspect.getsource(base_s.__init__)
+    meta = inspect.getsource(base_s.build_connector_meta)
+    assert "meta.reqs_not_processed = self._reqs_not_processed" in meta
+    start = inspect.getsource(pull_w.NixlPullConnectorWorker.start_load_kv)
+    assert "for req_id in metadata.reqs_not_processed:" in start
+    assert "self._reqs_to_process.discard(req_id)" in start
+
+    class Sched:
+        _reqs_not_processed = {"r"}
+
+    class Conn:
+        connector_scheduler = Sched()
+
+    assert compat.nixl_unsent(Conn()) == {"r"}
+
+
 def test_every_module_of_the_connectors_is_a_vllm_adapter():
     """connectors/ holds only vLLM adapters: each module imports vLLM (at module level or
     in the function that needs it); engine-agnostic logic belongs in kvtier/."""

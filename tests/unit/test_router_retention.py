@@ -20,7 +20,7 @@ from kvtier.router.app import create_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.flow import Router
 from kvtier.tier.leases import LeaseServer, LeaseTable
-from kvtier.wire.leases import PARAM_KEY
+from kvtier.wire.leases import PARAM_KEY, RETAIN_KEY
 from tests.fakes.engine import BLOCK_SIZE, D_URL, GEN, IDX_URL, P_URL, FakeEngines
 
 PROMPT = list(range(1, 11))
@@ -196,8 +196,8 @@ def test_adaptive_releases_a_conversation_whose_waits_are_long(node) -> None:
     table, server = node
     cost = str(resolve_config_path("cost-tiny.json"))
     # no host tier: a released turn is recomputed, so short waits are worth holding
-    for c, _, router in make(server.endpoint, retention="adaptive", cost_model=cost,
-                             host_copy=False):
+    for c, fake, router in make(server.endpoint, retention="adaptive", cost_model=cost,
+                                host_copy=False):
         policy = router.retention.policy
         assert policy is not None
         for _ in range(5):  # this conversation's tools answer after ten minutes
@@ -208,13 +208,59 @@ def test_adaptive_releases_a_conversation_whose_waits_are_long(node) -> None:
         assert router.retention.keeper.tracked("decode-0") == [RID]
         grant(table, lease_s=30.0)
         c.delete("/v1/conversations/fast")
-        table.grant("D-req", 3, ttl_deadline=table.clock() + 480, lease_s=30.0)
         complete(c, PROMPT, conv="slow")
+        # released at once: so the decode leg asked the node to keep nothing at all, and it
+        # named no blocks; nothing is held, and no release needs sending
+        dec = fake.completions(D_URL)[-1]
+        assert dec.kvp[RETAIN_KEY] is False
+        assert RETAIN_KEY not in fake.completions(D_URL)[-2].kvp  # "fast" was retained
         assert router.retention.keeper.tracked("decode-0") == []
-        assert until(lambda: table.released["moved"] == 1)
+        time.sleep(0.2)
+        assert table.released["moved"] == 0
         m = c.get("/metrics").text
         assert 'kvtier_router_hold_choices_total{action="release",basis="conversation"} 1.0' in m
         assert 'kvtier_router_hold_choices_total{action="hold",basis="conversation"} 1.0' in m
+
+
+def test_a_turn_not_retained_still_teaches_its_wait_and_its_host_copy(node) -> None:
+    """A turn released at once is not kept by the decode node (nothing in the store), yet its
+    conversation's next turn still reports the wait, and the host copy's survival is still
+    judged against what the turn left."""
+    _, server = node
+    cost = str(resolve_config_path("cost-tiny.json"))
+    for c, fake, router in make(server.endpoint, retention="adaptive", cost_model=cost,
+                                host_copy=True, indexer=IDX_URL, implicit_sessions=False):
+        policy = router.retention.policy
+        assert policy is not None
+        fake.lookup = []  # no host tier holds anything: every copy is gone
+        for turn in range(3):
+            assert complete(c, [*PROMPT, *range(turn)], conv="gone").status_code == 200
+            dec = fake.completions(D_URL)[-1]
+            if turn == 0:  # no waits yet, host copies taken to survive: never device-faster
+                assert dec.kvp[RETAIN_KEY] is False
+        assert router.retention.keeper.tracked("decode-0") == []
+        assert policy.host_odds("gone") == 0.0  # two continuation turns, both gone
+        seen = policy.choose("another")
+        assert (seen.basis, seen.samples) == ("fleet", 2), seen
+
+
+def test_a_node_that_keeps_a_turn_asked_not_to_is_released_at_once(node) -> None:
+    """A decode node whose connector ignores ``kvtier_decode_retain`` (an older kvtier) names
+    blocks anyway: the router releases them at once, as it did before asking."""
+    table, server = node
+    cost = str(resolve_config_path("cost-tiny.json"))
+    for c, fake, router in make(server.endpoint, retention="adaptive", cost_model=cost,
+                                host_copy=False):
+        fake.ignore_retain = True
+        policy = router.retention.policy
+        assert policy is not None
+        for _ in range(5):
+            policy.observe("slow", 600.0, 2000)
+        grant(table, lease_s=30.0)
+        complete(c, PROMPT, conv="slow")
+        assert fake.completions(D_URL)[-1].kvp[RETAIN_KEY] is False
+        assert router.retention.keeper.tracked("decode-0") == []
+        assert until(lambda: table.released["moved"] == 1)
 
 
 def test_adaptive_holds_the_conversations_whose_host_copies_are_evicted(node) -> None:
