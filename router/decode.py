@@ -94,7 +94,6 @@ class DecodeLeg:
             # the content of the turn the store keeps).
             hold = (self.retention.plan(str(conv), d.name)
                     if (tag is not None or capture) and conv is not None else None)
-            turn.log.hold = hold
             body = decode_body(inb, params, turn.ids, stream=upstream_stream, want_ids=capture,
                                lease_s=self.retention.lease_s(d.name),
                                retain=(hold is None or hold.retains
@@ -105,7 +104,7 @@ class DecodeLeg:
                 if upstream_stream:
                     stream = await self.legs.open_stream(d, "decode", inb.endpoint.path, body,
                                                          headers)
-                    held = (_FeedCapture(self, turn, d, tag)
+                    held = (_FeedCapture(self, turn, d, tag, hold)
                             if tag is not None and conv is not None else None)
                     return Reply(200, stream=self.relay(inb.endpoint, stream, d, held),
                                  log=turn.log, reuse=turn.report)
@@ -121,13 +120,15 @@ class DecodeLeg:
                     self.feed.forget(d.name, tag)
                 raise
             if capture and conv is not None and turn.ids is not None:
-                await self._retain_answer(turn, conv, d, turn.ids, resp)
+                await self._retain_answer(turn, conv, d, turn.ids, resp, hold)
             return self._answer(turn, resp)
         return run
 
     async def _retain_answer(self, turn: Turn, conv: ConversationId, d: InstanceState,
-                             ids: tuple[int, ...], resp: dict[str, object]) -> None:
-        """Keep what a non-streamed decode answer says D retained (params and token ids)."""
+                             ids: tuple[int, ...], resp: dict[str, object],
+                             hold: Held | None) -> None:
+        """Keep what a non-streamed decode answer says D retained (params and token ids),
+        for ``hold`` (planned before the leg)."""
         params = KVTransferParams.from_wire(resp.get("kv_transfer_params"))
         if params is not None and params.nixl is not None and params.nixl.has_remote_blocks:
             turn.log.retained_tokens = params.nixl.remote_num_tokens
@@ -139,18 +140,19 @@ class DecodeLeg:
             gen = first.get("token_ids") if isinstance(first, dict) else None
         if params is not None and isinstance(gen, list):
             turn.log.hold = await self.retain(conv, turn.tenant, d, params, [*ids, *gen],
-                                              len(ids), turn.log.hold)
+                                              len(ids), hold)
 
-    async def retain_finished(self, turn: Turn, d: InstanceState,
-                              msg: FinishedParams) -> None:
-        """Keep what the decode node's feed said it retained for this leg."""
+    async def retain_finished(self, turn: Turn, d: InstanceState, msg: FinishedParams,
+                              hold: Held | None) -> None:
+        """Keep what the decode node's feed said it retained for this leg, for ``hold``
+        (planned before the leg; None: chosen now)."""
         params = KVTransferParams.from_wire(msg.kv_transfer_params)
         ids, tokens = turn.ids, msg.token_ids
         if params is None or turn.conversation is None or (
                 ids is not None and tokens[:len(ids)] != ids):
             return  # not the prompt this router proved and sent: do not trust it
         await self.retain(turn.conversation, turn.tenant, d, params, list(tokens),
-                          len(ids) if ids else 0, turn.log.hold)
+                          len(ids) if ids else 0, hold)
 
     async def retain(self, conv: ConversationId, tenant: str, d: InstanceState,
                      params: KVTransferParams, token_ids: list[int], prompt_len: int,
@@ -188,14 +190,15 @@ class DecodeLeg:
 class _FeedCapture:
     """A streamed decode leg's params, from the node's feed (``relay.Capture``)."""
 
-    def __init__(self, leg: DecodeLeg, turn: Turn, d: InstanceState, tag: str) -> None:
-        self.leg, self.turn, self.d, self.tag = leg, turn, d, tag
+    def __init__(self, leg: DecodeLeg, turn: Turn, d: InstanceState, tag: str,
+                 hold: Held | None) -> None:
+        self.leg, self.turn, self.d, self.tag, self.hold = leg, turn, d, tag, hold
 
     async def finish(self) -> None:
         leg = self.leg
         msg = await leg.feed.wait(self.d.name, self.tag, leg.cfg.params_wait_s)
         if msg is not None:
-            await leg.retain_finished(self.turn, self.d, msg)
+            await leg.retain_finished(self.turn, self.d, msg, self.hold)
 
     def close(self) -> None:
         self.leg.feed.forget(self.d.name, self.tag)
