@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvtier.ab.live.regen import END, load_run, regenerate, render_doc, run_dirs
+from kvtier.ab.live.regen import END, load_run, regenerate, render_doc, repeats_label, run_dirs
 from kvtier.ab.records import RunResult, TurnRecord
 from kvtier.ab.report import load_table, sim_error_rows, sim_error_section
 
@@ -78,3 +78,8 @@ def test_simulator_error_lists_every_row_worst_first() -> None:
     body = [ln for ln in text.splitlines() if ln.startswith("| ") and "matched" not in ln]
     assert body[0].startswith("| tiered-adaptive |") and "**100.0%**" in body[0]
     assert "Worst: tiered-adaptive device block·s rel. err 100.0%" in text
+
+
+def test_an_interrupted_runs_table_says_how_many_repeats_it_has_once():
+    assert repeats_label(None, 5) == "5 repeat(s)"
+    assert repeats_label("2 of 3 (interrupted)", 3) == "2 of 3 repeats, interrupted"

@@ -116,14 +116,21 @@ def derived(run: Run) -> dict[str, Any]:
                              "verdict": p.verdict} for p in pairwise(run.results)]}
 
 
+def repeats_label(completed: str | None, repeats: int) -> str:
+    """How many repeats a regime table covers: "3 repeat(s)", or "2 of 3 repeats, interrupted"
+    for a run cut short (its meta's ``repeats_completed`` reads "2 of 3 (interrupted)")."""
+    if not completed:
+        return f"{repeats} repeat(s)"
+    return f"{completed.removesuffix(' (interrupted)')} repeats, interrupted"
+
+
 def regime_table(name: str, run: Run) -> str:
     """One regime's tables (what ``benchmarks/ab_regimes.py table`` prints)."""
     meta, results = run.meta, run.results
     env = meta.get("environment", {})
     reps = max((int(r.meta.get("repeats", 1)) for r in results), default=1)
-    done = meta.get("repeats_completed")
     out = [f"### {name}: {meta.get('trace')} (time scale {meta.get('time_scale')}, "
-           + (f"{done} repeats" if done else f"{reps} repeat(s)")
+           + repeats_label(meta.get("repeats_completed"), reps)
            + f", commit {str(env.get('git_commit', '?'))[:10]})", "",
            intervals_markdown(results), "", pairwise_markdown(results), ""]
     same = same_path_markdown(results)
