@@ -24,6 +24,7 @@ blocks_retained / leases_held        gauge    blocks (and turns) now held under 
 block_seconds_held_total             counter  integral of blocks_retained over time
 leases_granted_total                 counter  turns that finished with retained blocks
 turns_not_retained_total             counter  turns that asked to keep nothing (freed at once)
+idle_steps_slowed_total              counter  empty engine steps slowed while turns are retained
 leases_renewed_total                 counter  renewals that extended a live lease
 leases_released_total{reason}        counter  early releases (closed|dropped|trimmed|moved|other)
 leases_expired_total                 counter  leases that ran out (not renewed, or TTL bound)
@@ -88,7 +89,7 @@ class LeaseTable:
         self._block_seconds = 0.0
         self._since = clock()
         self.counts: dict[str, int] = {"granted": 0, "renewed": 0, "expired": 0, "read": 0,
-                                       "not_retained": 0}
+                                       "not_retained": 0, "idle_steps_slowed": 0}
         self.released: dict[str, int] = {r.value: 0 for r in ReleaseReason}
         # How long after its deadline the engine freed an expired lease's blocks.
         self._lag_total = 0.0
@@ -114,6 +115,12 @@ class LeaseTable:
         were freed at once, no lease granted."""
         with self._lock:
             self.counts["not_retained"] += 1
+
+    def idle_step_slowed(self) -> None:
+        """An engine step that scheduled nothing while turns are retained was slowed
+        (``retained_idle_step_ms``, ``kvtier.connectors.params_feed``)."""
+        with self._lock:
+            self.counts["idle_steps_slowed"] += 1
 
     def take_updates(self) -> dict[str, float]:
         """Deadlines changed since the last call (request id -> new deadline)."""
@@ -269,6 +276,9 @@ class LeaseCollector(Collector):
                         s["granted"])
         yield self._fam(c, "turns_not_retained", "Turns that asked to keep nothing (their "
                         "blocks freed when they finished)", s["not_retained"])
+        yield self._fam(c, "idle_steps_slowed", "Engine steps that scheduled nothing while "
+                        "turns were retained, slowed by retained_idle_step_ms",
+                        s["idle_steps_slowed"])
         yield self._fam(c, "leases_renewed", "Renewals that extended a lease", s["renewed"])
         yield self._fam(c, "leases_expired", "Leases that ran out", s["expired"])
         yield self._fam(c, "leases_read", "Leases ended by the next turn's read", s["read"])

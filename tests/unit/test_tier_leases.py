@@ -181,6 +181,8 @@ def test_metrics_expose_the_table(table, clock):
 
     table.grant("a", 4, ttl_deadline=580.0)
     table.release(["a"], ReleaseReason.DROPPED)
+    table.idle_step_slowed()
+    table.idle_step_slowed()
     (port,) = free_ports(1)
     srv = LeaseMetricsServer(table, "d0", port, host="127.0.0.1")
     try:
@@ -190,3 +192,4 @@ def test_metrics_expose_the_table(table, clock):
     assert 'kvtier_decode_blocks_retained{pod="d0"} 4.0' in text
     assert 'kvtier_decode_leases_granted_total{pod="d0"} 1.0' in text
     assert 'kvtier_decode_leases_released_total{pod="d0",reason="dropped"} 1.0' in text
+    assert 'kvtier_decode_idle_steps_slowed_total{pod="d0"} 2.0' in text

@@ -91,3 +91,11 @@ def test_decode_leases_start_from_the_resolved_config():
         assert leases.grant("a", 2, bound=1e12, asked=5) < leases.grant("b", 2, 1e12, "x")
     finally:
         leases.close()
+
+
+def test_idle_steps_are_slowed_by_default_and_the_knob_is_checked():
+    assert ParamsFeedConfig().retained_idle_step_ms == 5.0
+    assert ParamsFeedConfig.from_extra_config({"retained_idle_step_ms": 0}).retained_idle_step_ms == 0
+    for bad in (-1, True, "5", None):
+        with pytest.raises(ValidationError, match="retained_idle_step_ms must be a number of milliseconds"):
+            ParamsFeedConfig.from_extra_config({"retained_idle_step_ms": bad})
