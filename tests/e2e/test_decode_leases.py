@@ -136,7 +136,7 @@ def test_a_turn_asked_not_to_be_retained_keeps_nothing(http, stack, tiny_model):
 
 def test_a_node_retaining_a_turn_slows_only_its_empty_steps(http, stack, tiny_model):
     """While D only retains a turn, vLLM's engine keeps stepping (to learn of reads and
-    deadlines); each such empty step waits ``retained_idle_step_ms`` (default 5 ms) so the
+    deadlines); each such empty step waits ``retained_idle_step_ms`` (5 ms on the CPU) so the
     node does not take ~0.45 of a core from the prefill. Witness: the counter moves while a
     turn is retained and stands still once it is released and D is idle."""
     ctl, mets = _endpoints(stack)

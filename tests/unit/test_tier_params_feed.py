@@ -93,9 +93,15 @@ def test_decode_leases_start_from_the_resolved_config():
         leases.close()
 
 
-def test_idle_steps_are_slowed_by_default_and_the_knob_is_checked():
-    assert ParamsFeedConfig().retained_idle_step_ms == 5.0
-    assert ParamsFeedConfig.from_extra_config({"retained_idle_step_ms": 0}).retained_idle_step_ms == 0
-    for bad in (-1, True, "5", None):
+def test_idle_steps_are_slowed_by_default_on_the_cpu_only_and_the_knob_is_checked():
+    unset = ParamsFeedConfig()
+    assert unset.retained_idle_step_ms is None
+    assert unset.idle_step_s(cpu_platform=True) == 0.005
+    assert unset.idle_step_s(cpu_platform=False) == 0.0
+    off = ParamsFeedConfig.from_extra_config({"retained_idle_step_ms": 0})
+    assert off.idle_step_s(cpu_platform=True) == 0.0
+    ten = ParamsFeedConfig.from_extra_config({"retained_idle_step_ms": 10})
+    assert ten.idle_step_s(cpu_platform=False) == 0.01
+    for bad in (-1, True, "5"):
         with pytest.raises(ValidationError, match="retained_idle_step_ms must be a number of milliseconds"):
             ParamsFeedConfig.from_extra_config({"retained_idle_step_ms": bad})
