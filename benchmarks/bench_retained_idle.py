@@ -10,8 +10,8 @@ tiny-model stack (``nixl-bidirectional-lease`` with the knob set), then:
    nothing to reuse), one at a time, while the decode node retains nothing;
 2. makes the decode node retain ``HELD`` turns (hand-rolled P->D exchanges, 60 s leases) and
    samples the CPU of every thread of the decode node's processes for ``SAMPLE_S`` seconds
-   (``utime + stime`` from /proc, by thread name and nice level: NIXL's progress thread
-   spins at nice 10 whatever happens, the engine's steps run at nice 0);
+   (``thread_cpu.threads``: ``utime + stime`` from /proc, by thread name and nice level:
+   NIXL's progress thread spins at nice 10 whatever happens, the engine's steps at nice 0);
 3. sends ``REQUESTS`` more fresh prompts to the prefill while those turns are retained.
 
 It prints one JSON object (``--out FILE`` writes it too): per knob value the prefill's
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from thread_cpu import threads
 
 from kvtier.configs import load_config_file
 from kvtier.devstack.placement import descendants
@@ -49,7 +50,6 @@ from kvtier.wire.leases import PARAM_KEY
 
 MODEL_DIR = str(Path.home() / ".cache/kvtier/models/tiny")
 PROMPT_TOKENS, REQUESTS, WARMUP, HELD, SAMPLE_S = 2000, 12, 2, 4, 8.0
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -78,36 +78,18 @@ def prefills(c: httpx.Client, url: str, seed0: int) -> list[float]:
     return out
 
 
-def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, int, int]]:
-    """(pid, tid) -> (thread name, nice, utime + stime ticks) of every thread of ``pids``."""
-    out = {}
-    for p in pids:
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tids:
-            try:
-                st = Path(f"/proc/{p}/task/{t}/stat").read_text()
-            except OSError:
-                continue
-            name = st[st.index("(") + 1:st.rindex(")")]
-            f = st.rsplit(")", 1)[1].split()
-            out[(p, int(t))] = (name, int(f[16]), int(f[11]) + int(f[12]))
-    return out
-
-
 def decode_cpu(root: int) -> dict[str, float]:
     """Share of one core each (thread name, nice) group of the decode node used."""
     pids = [root, *descendants(root)]
-    a = thread_cpu(pids)
+    a = {p: threads(p) for p in pids}
     time.sleep(SAMPLE_S)
-    b = thread_cpu(pids)
     groups: dict[str, float] = {}
-    for k, (name, nice, ticks) in b.items():
-        used = (ticks - a.get(k, (name, nice, ticks))[2]) / TICK / SAMPLE_S
-        key = f"{name} (nice {nice})"
-        groups[key] = round(groups.get(key, 0.0) + used, 3)
+    for p in pids:
+        before = a[p]
+        for t, (name, nice, cpu) in threads(p).items():
+            used = (cpu - before.get(t, (name, nice, cpu))[2]) / SAMPLE_S
+            key = f"{name} (nice {nice})"
+            groups[key] = round(groups.get(key, 0.0) + used, 3)
     groups["total nice 0"] = round(sum(v for k, v in groups.items() if k.endswith("(nice 0)")), 3)
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
 

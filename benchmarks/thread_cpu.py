@@ -65,6 +65,24 @@ def _role(pid: int, ps: dict[int, tuple[int, str]]) -> str | None:
     return None
 
 
+def threads(pid: int) -> dict[int, tuple[str, int, float]]:
+    """Thread id -> (name, nice, CPU seconds so far: ``utime + stime``) of every thread of
+    ``pid`` alive now ({} for a process gone)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in tids:
+        try:
+            f = Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()
+            comm = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
+        except OSError:
+            continue
+        out[int(t)] = (comm, int(f[16]), (int(f[11]) + int(f[12])) / HZ)
+    return out
+
+
 def sample(out: Path, interval_s: float = 1.0) -> None:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -78,23 +96,13 @@ def sample(out: Path, interval_s: float = 1.0) -> None:
             role = _role(pid, ps)
             if role is None:
                 continue
-            try:
-                tids = os.listdir(f"/proc/{pid}/task")
-            except OSError:
-                continue
-            for t in tids:
-                try:
-                    f = Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()
-                    comm = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
-                except OSError:
-                    continue
-                cpu = (int(f[11]) + int(f[12])) / HZ
-                key = (pid, int(t))
+            for t, (comm, nice, cpu) in threads(pid).items():
+                key = (pid, t)
                 d = cpu - last[key] if key in last else 0.0
                 last[key] = cpu
                 parts = ps[pid][1].split()
                 pname = parts[0].rsplit("/", 1)[-1][:20] if parts else "?"
-                tot[f"{role}|{pname}|{comm}|tid{t}|nice{f[16]}"] += d
+                tot[f"{role}|{pname}|{comm}|tid{t}|nice{nice}"] += d
         time.sleep(interval_s)
     out.write_text(json.dumps({"seconds": time.time() - t0,
                                "cpu_s": dict(sorted(tot.items(), key=lambda x: -x[1]))},

@@ -107,22 +107,24 @@ class KVTierNixlConnector(_NixlConnector):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._receiving.discard(str(request.request_id))
         delay, params = super().request_finished(request, block_ids)
-        delay, params = self._keep(request, delay, params, len(block_ids))
-        self._publish(request, params)
-        if delay and params and params.get("do_remote_decode"):  # a decode node retains it
-            self._held.add(str(request.request_id))
-        return delay, params
+        return self._finished(request, delay, params, len(block_ids))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        self._receiving.discard(str(request.request_id))
         delay, params = super().request_finished_all_groups(request, block_ids)
-        delay, params = self._keep(request, delay, params, sum(len(g) for g in block_ids))
+        return self._finished(request, delay, params, sum(len(g) for g in block_ids))
+
+    def _finished(self, request: Request, delay: bool, params: dict[str, Any] | None,
+                  blocks: int) -> tuple[bool, dict[str, Any] | None]:
+        """What both ``request_finished`` forms do after NixlConnector's own: keep or free
+        the turn, publish its params, and track what this node retains or receives."""
+        rid = str(request.request_id)
+        self._receiving.discard(rid)  # a decode leg aborted before its KV came
+        delay, params = self._keep(request, delay, params, blocks)
         self._publish(request, params)
         if delay and params and params.get("do_remote_decode"):  # a decode node retains it
-            self._held.add(str(request.request_id))
+            self._held.add(rid)
         return delay, params
 
     def _keep(self, request: Request, delay: bool, params: dict[str, Any] | None,
