@@ -13,6 +13,10 @@ The anchor is a device-to-device copy measured in the same call on the same card
 on one GPU, both instances share the card, so a D->P read at device-copy speed is the most
 the link could give.
 
+``peer_fetch_table`` is the other link a follow-up turn can take: a peer fetch from another
+instance's host tier, as the reading host tiers timed it (``meta["peer_fetch"]``, from
+``kvtier_tier_peer_fetch_seconds_total{phase}``), mean milliseconds per fetch by phase.
+
 Threading model: pure functions; call from any thread.
 """
 
@@ -25,6 +29,7 @@ from pathlib import Path
 
 from kvtier.ab.records import RunResult
 from kvtier.ids import ReusePath
+from kvtier.tier.accounting import PEER_PHASES
 
 ANCHOR_NAME = "d2d_copy.json"
 
@@ -108,3 +113,30 @@ def link_section(results: Sequence[RunResult], meta: dict,
     if not table:
         return []
     return ["## The D->P link, as this run's reads saw it", "", *table, ""]
+
+
+def peer_fetch_table(results: Sequence[RunResult]) -> list[str]:
+    """Each strategy's peer fetches per reading instance, every repeat together: how many,
+    and the mean milliseconds each phase took in the reader ([] when no strategy fetched)."""
+    rows = []
+    for r in results:
+        parts = r.meta.get("peer_fetch") or []
+        totals: dict[str, dict[str, float]] = {}
+        for part in parts if isinstance(parts, list) else [parts]:  # one per repeat
+            for pod, d in (part or {}).items():
+                t = totals.setdefault(pod, {})
+                for k, v in d.items():
+                    t[k] = t.get(k, 0.0) + float(v)
+        for pod, t in sorted(totals.items()):
+            n = t.get("fetches", 0.0)
+            if n > 0:
+                ms = [1e3 * t.get(p, 0.0) / n for p in PEER_PHASES]
+                rows.append(f"| {r.strategy} | {pod} | {n:.0f} | "
+                            + " | ".join(f"{x:.2f}" for x in ms) + f" | {sum(ms):.2f} |")
+    if not rows:
+        return []
+    return ["Peer fetches, as the reading instance's host tier timed them "
+            "(`kvtier_tier_peer_fetch_seconds_total` ÷ `kvtier_tier_peer_fetches_total`, every "
+            "repeat together): mean ms per fetch, by phase.", "",
+            "| strategy | reader | fetches | " + " | ".join(PEER_PHASES) + " | total |",
+            "|---|---|---|" + "---|" * (len(PEER_PHASES) + 1), *rows]

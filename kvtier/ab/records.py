@@ -294,7 +294,8 @@ def merge_repeats(runs: Sequence[RunResult]) -> RunResult:
     meta = {**runs[0].meta, "repeats": len(runs), "repeat_windows": windows,
             "t_end": windows[-1][1], "per_repeat": per,
             "engine": merge_engine([r.meta.get("engine") for r in runs])}
-    for key in ("router_cost", "router_stalls", "path_switches", "services", "cpu"):
+    for key in ("router_cost", "router_stalls", "path_switches", "services", "cpu",
+                "peer_fetch"):
         if any(key in r.meta for r in runs):
             meta[key] = [r.meta.get(key) for r in runs]  # each repeat's router (and indexer)
     counted = [r.meta.get("device_block_s_counted") for r in runs]

@@ -36,7 +36,7 @@ from kvtier.ab.compare import (
     same_path_markdown,
     strategy_intervals,
 )
-from kvtier.ab.link import link_section, read_anchor
+from kvtier.ab.link import link_section, peer_fetch_table, read_anchor
 from kvtier.ab.rawdoc import write_raw
 from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
 from kvtier.ab.stats import at_most, first_bucket_bound
@@ -407,6 +407,9 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
     lines += _stalls_section(results)
     lines += cpu_section(results)
     lines += link_section(results, meta, anchor)
+    peer = peer_fetch_table(results)
+    if peer:
+        lines += ["## Peer fetches, as the readers timed them", "", *peer, ""]
     lines += path_cost_section(results)
     same = same_path_markdown(results)
     if same:

@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PATHS = ("store", "load", "peer_out", "peer_in")
+# A peer fetch's phases in the reader: the first contact's Hello and NIXL wire-up, the Hold's
+# round trip (the source pins what it has), the NIXL READ into local slots, the Release.
+PEER_PHASES = ("handshake", "hold", "read", "release")
 
 
 @dataclass
@@ -37,6 +40,9 @@ class TierStats:
     evictions: int = 0
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     peer_fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count
+    peer_fetches: int = 0  # peer fetches that asked a source (fallbacks included)
+    # seconds the reader's scheduler spent in them, by phase (PEER_PHASES)
+    peer_fetch_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PEER_PHASES, 0.0))
     _last: float | None = None
 
     def _advance(self) -> None:
@@ -61,6 +67,15 @@ class TierStats:
     def record_fallback(self, reason: str) -> None:
         self.peer_fallbacks[reason] = self.peer_fallbacks.get(reason, 0) + 1
 
+    def record_peer_fetch(self, seconds: dict[str, float]) -> None:
+        """One peer fetch: the seconds each phase of it took (``PEER_PHASES``)."""
+        unknown = set(seconds) - set(PEER_PHASES)
+        if unknown:
+            raise ValueError(f"unknown peer fetch phases {sorted(unknown)}; known: {PEER_PHASES}")
+        self.peer_fetches += 1
+        for phase, s in seconds.items():
+            self.peer_fetch_s[phase] += s
+
     def snapshot(self) -> dict:
         self._advance()
         return {
@@ -74,4 +89,6 @@ class TierStats:
             "evictions": self.evictions,
             "bytes_moved": dict(self.bytes_moved),
             "peer_fallbacks": dict(self.peer_fallbacks),
+            "peer_fetches": self.peer_fetches,
+            "peer_fetch_s": dict(self.peer_fetch_s),
         }

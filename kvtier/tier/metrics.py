@@ -27,6 +27,10 @@ stores_skipped_total                  counter  blocks offered for store that wer
 stores_refused_total                  counter  blocks not stored: tier full of pinned blocks
 bytes_moved_total{path}               counter  store | load | peer_in | peer_out
 peer_fallbacks_total{reason}          counter  peer fetches that fell back to recompute
+peer_fetches_total                    counter  peer fetches that asked a source
+peer_fetch_seconds_total{phase}       counter  the reader's seconds in them: handshake |
+                                               hold | read | release (rate() of one over
+                                               rate() of peer_fetches: its mean per fetch)
 ====================================  =======  =========================================
 
 Threading model: prometheus_client's HTTP server thread calls ``snapshot``;
@@ -42,7 +46,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.tier.accounting import PATHS
+from kvtier.tier.accounting import PATHS, PEER_PHASES
 
 PREFIX = "kvtier_tier_"
 
@@ -88,6 +92,12 @@ class TierCollector(Collector):
         for reason, n in sorted(s["peer_fallbacks"].items()):
             fb.add_metric([*self.labels.values(), reason], n)
         yield fb
+        yield self._fam(c, "peer_fetches", "Peer fetches that asked a source", s["peer_fetches"])
+        secs = c(PREFIX + "peer_fetch_seconds", "Reader's seconds in peer fetches, by phase",
+                 labels=[*self.labels, "phase"])
+        for phase in PEER_PHASES:
+            secs.add_metric([*self.labels.values(), phase], s["peer_fetch_s"].get(phase, 0.0))
+        yield secs
 
 
 class TierMetricsServer:

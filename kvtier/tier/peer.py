@@ -9,7 +9,7 @@ Side channel: ZMQ REQ/REP, msgspec messages (``kvtier.wire.peer``). NIXL moves t
                              <-       Held(lease, slots)
     NIXL READ remote slots -> local slots (prepare_store / complete_store locally)
     Release(lease, ok)       ->       unpin (bytes counted as peer_out)
-                             <-       Ack
+                             <-       Ack (read before the next request, not waited for)
 
 Anything that goes wrong (refused handshake, unreachable or dead source,
 keys evicted before the pin, transfer error) makes ``PeerClient.fetch``
@@ -26,10 +26,11 @@ REQ sockets (one per peer, reused) never leave that thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -143,6 +144,21 @@ class FetchResult:
 
 
 @dataclass
+class _Clock:
+    """``with clock(phase):`` adds the block's wall time to ``seconds[phase]``."""
+
+    seconds: dict[str, float]
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
 class PeerClient:
     tier: HostTier
     lock: threading.RLock
@@ -151,19 +167,38 @@ class PeerClient:
     timeout_s: float = 5.0
     _peers: dict[str, tuple[str, int]] = field(default_factory=dict)  # endpoint -> agent, base
     _socks: dict[str, zmq.Socket] = field(default_factory=dict)  # endpoint -> REQ socket
+    _unacked: set[str] = field(default_factory=set)  # endpoints owing the Ack of a Release
 
-    def _call(self, endpoint: str, msg: Request) -> Reply:
+    def _socket(self, endpoint: str) -> zmq.Socket:
         # One REQ socket per peer, kept across calls (a fetch makes two calls;
         # a fresh TCP connection each time cost more than the lookup itself).
-        # A REQ socket that timed out is stuck mid-exchange: drop it.
         sock = self._socks.get(endpoint)
         if sock is None:
             sock = zmq.Context.instance().socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
             self._socks[endpoint] = sock
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        # A REQ socket that timed out is stuck mid-exchange: drop it.
+        self._unacked.discard(endpoint)
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close()
+
+    def _call(self, endpoint: str, msg: Request) -> Reply:
+        sock = self._socket(endpoint)
         ok = False
         try:
+            if endpoint in self._unacked:
+                # A REQ socket sends only after the last reply is read: read the Ack of the
+                # Release sent at the end of the last fetch (long since there if the peer
+                # lives; if it does not, this call would time out anyway).
+                if not sock.poll(int(self.timeout_s * 1000)):
+                    raise TimeoutError(f"peer {endpoint} did not ack in {self.timeout_s}s")
+                sock.recv()
+                self._unacked.discard(endpoint)
             sock.send(encode(msg))
             if not sock.poll(int(self.timeout_s * 1000)):
                 raise TimeoutError(f"peer {endpoint} did not answer in {self.timeout_s}s")
@@ -172,13 +207,26 @@ class PeerClient:
             return reply
         finally:
             if not ok:
-                self._socks.pop(endpoint, None)
-                sock.close()
+                self._drop(endpoint)
+
+    def _release(self, endpoint: str, msg: Release) -> None:
+        """Send ``msg`` without waiting for its Ack (read by the next call to this peer).
+
+        The reader needs nothing from the Ack, and the source's ``PeerServer`` shares its
+        process, and the GIL, with a busy engine, so a reply can wait a switch interval
+        (5 ms) for the GIL: waiting for it would add that to every pulled turn's TTFT."""
+        sock = self._socket(endpoint)
+        try:
+            sock.send(encode(msg), zmq.NOBLOCK)
+            self._unacked.add(endpoint)
+        except zmq.ZMQError:
+            self._drop(endpoint)  # the source's lease expires on its own
 
     def close(self) -> None:
         for sock in self._socks.values():
             sock.close()
         self._socks.clear()
+        self._unacked.clear()
 
     def _fallback(self, reason: str, blocks: int = 0) -> FetchResult:
         with self.lock:
@@ -189,7 +237,18 @@ class PeerClient:
               metas: Sequence[BlockMeta] | None = None) -> FetchResult:
         """Make ``keys`` (a prefix chain) READY locally, pulling what is missing.
 
-        ``metas`` (token ids, hashes) label the fetched blocks in tier events."""
+        ``metas`` (token ids, hashes) label the fetched blocks in tier events. The seconds
+        each phase took go to ``TierStats.peer_fetch_s`` (``kvtier_tier_peer_fetch_seconds``)."""
+        phases: dict[str, float] = {}
+        try:
+            return self._fetch(host, port, keys, metas, _Clock(phases))
+        finally:
+            if phases:
+                with self.lock:
+                    self.tier.stats.record_peer_fetch(phases)
+
+    def _fetch(self, host: str, port: int, keys: Sequence[RequestKey],
+               metas: Sequence[BlockMeta] | None, clock: _Clock) -> FetchResult:
         with self.lock:
             local = self.tier.lookup_prefix(keys)
         if local == len(keys):
@@ -199,13 +258,15 @@ class PeerClient:
         try:
             peer = self._peers.get(endpoint)
             if peer is None:
-                rep = self._call(endpoint, Hello(self.identity))
-                if isinstance(rep, Refused):
-                    return self._fallback(f"refused: {rep.reason}", local)
-                assert isinstance(rep, Welcome)
-                peer = (self.nixl.add_peer(rep.agent_metadata), rep.pool_base)
+                with clock("handshake"):
+                    rep = self._call(endpoint, Hello(self.identity))
+                    if isinstance(rep, Refused):
+                        return self._fallback(f"refused: {rep.reason}", local)
+                    assert isinstance(rep, Welcome)
+                    peer = (self.nixl.add_peer(rep.agent_metadata), rep.pool_base)
                 self._peers[endpoint] = peer
-            held = self._call(endpoint, Hold([int(k) for k in want]))
+            with clock("hold"):
+                held = self._call(endpoint, Hold([int(k) for k in want]))
         except (TimeoutError, zmq.ZMQError) as e:
             self._peers.pop(endpoint, None)
             return self._fallback(f"unreachable: {e}", local)
@@ -225,7 +286,8 @@ class PeerClient:
             # present: map each placed key back to the source's slot.
             src = {k: held.slots[i] for i, k in enumerate(want[:n])}
             remote = [src[k] for k in job.keys]
-            moved = self.nixl.read(peer[0], peer[1], remote, job.slots, self.timeout_s)
+            with clock("read"):
+                moved = self.nixl.read(peer[0], peer[1], remote, job.slots, self.timeout_s)
             ok = True
         except TransferError as e:
             self._peers.pop(endpoint, None)
@@ -236,10 +298,8 @@ class PeerClient:
                     self.tier.complete_store(job.job_id, ok)
                     if ok:
                         self.tier.stats.record_move("peer_in", moved)
-            try:
-                self._call(endpoint, Release(held.lease, ok))
-            except (TimeoutError, zmq.ZMQError):
-                pass  # the source's lease expires on its own
+            with clock("release"):
+                self._release(endpoint, Release(held.lease, ok))
         with self.lock:
             got = self.tier.lookup_prefix(keys)
         reason = None if got == len(keys) else "evicted: source held a shorter prefix"

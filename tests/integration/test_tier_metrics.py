@@ -82,6 +82,18 @@ def test_retention_and_traffic_are_exposed(served: Served) -> None:
     assert val(s, "kvtier_tier_peer_fallbacks_total", reason="unreachable") == 1
     assert val(s, "kvtier_tier_block_seconds_held_total") == pytest.approx(40 + 15)
 
+    assert val(s, "kvtier_tier_peer_fetches_total") == 0
+    tier.stats.record_peer_fetch({"hold": 0.002, "read": 0.010, "release": 0.0001})
+    tier.stats.record_peer_fetch({"handshake": 0.5, "hold": 0.004})
+    s = scrape(server.url)
+    assert val(s, "kvtier_tier_peer_fetches_total") == 2
+    assert val(s, "kvtier_tier_peer_fetch_seconds_total", phase="handshake") == 0.5
+    assert val(s, "kvtier_tier_peer_fetch_seconds_total", phase="hold") == pytest.approx(0.006)
+    assert val(s, "kvtier_tier_peer_fetch_seconds_total", phase="read") == 0.010
+    assert val(s, "kvtier_tier_peer_fetch_seconds_total", phase="release") == 0.0001
+    with pytest.raises(ValueError, match="unknown peer fetch phases"):
+        tier.stats.record_peer_fetch({"lunch": 1.0})
+
 
 def test_close_frees_the_port(served: Served) -> None:
     import socket
@@ -95,3 +107,18 @@ def test_close_frees_the_port(served: Served) -> None:
     finally:
         s.close()
     server.close()  # idempotent: the fixture closes again
+
+
+def test_the_ab_runner_reads_peer_fetches_from_each_tier_page(served: Served) -> None:
+    import httpx
+
+    from kvtier.ab.live.runner import peer_fetches
+
+    tier, _, server = served
+    tier.stats.record_peer_fetch({"hold": 0.002, "read": 0.010, "release": 0.0001})
+    base = server.url.removesuffix("/metrics")
+    with httpx.Client() as c:
+        got = peer_fetches(c, [("prefill-0", base), ("gone", "http://127.0.0.1:9")])
+    assert set(got) == {"prefill-0"}  # an unreadable page is left out, not zero
+    assert got["prefill-0"] == pytest.approx({"fetches": 1, "handshake": 0.0, "hold": 0.002,
+                                              "read": 0.010, "release": 0.0001})

@@ -56,3 +56,28 @@ def test_a_missing_or_broken_anchor_is_none(tmp_path: Path) -> None:
     assert read_anchor(tmp_path) is None
     (tmp_path / ANCHOR_NAME).write_text(json.dumps({"gb_s": 0}))
     assert read_anchor(tmp_path) is None
+
+
+def test_peer_fetches_are_mean_ms_per_fetch_by_phase_over_every_repeat() -> None:
+    from kvtier.ab.link import peer_fetch_table
+    from kvtier.ab.records import merge_repeats
+
+    def rep(fetches: float, hold: float, read: float) -> RunResult:
+        r = _run("tiered-adaptive", [("p2p", 8000, 0.0)])
+        r.meta["t_end"] = 10.0
+        r.meta["peer_fetch"] = {"prefill-0": {"fetches": fetches, "handshake": 0.0,
+                                              "hold": hold, "read": read, "release": 0.0},
+                                "decode-0": {"fetches": 0.0, "hold": 0.0}}
+        return r
+
+    merged = merge_repeats([rep(10, 0.005, 0.040), rep(30, 0.015, 0.120)])
+    assert len(merged.meta["peer_fetch"]) == 2  # each repeat's own counts
+    table = peer_fetch_table([merged, _run("recompute", [("none", 0, 0.0)])])
+    # 40 fetches: hold 20 ms and read 160 ms in all -> 0.50 and 4.00 ms per fetch; the decode
+    # node fetched nothing and recompute has no host tier: neither has a row.
+    assert table[-1] == "| tiered-adaptive | prefill-0 | 40 | 0.00 | 0.50 | 4.00 | 0.00 | 4.50 |"
+    assert sum(line.startswith("| tiered") for line in table) == 1
+    assert "handshake | hold | read | release | total" in table[2]
+    single = rep(4, 0.002, 0.010)  # one repeat: the meta is the run's own dict
+    assert peer_fetch_table([single])[-1].startswith("| tiered-adaptive | prefill-0 | 4 | ")
+    assert peer_fetch_table([_run("host-p2p", [("p2p", 8000, 0.0)])]) == []

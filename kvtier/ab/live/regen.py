@@ -46,7 +46,7 @@ from kvtier.ab.compare import (
     same_path_markdown,
     strategy_intervals,
 )
-from kvtier.ab.link import link_table, read_anchor
+from kvtier.ab.link import link_table, peer_fetch_table, read_anchor
 from kvtier.ab.rawdoc import has_raw, raw_path, read_raw, write_raw
 from kvtier.ab.records import RunResult
 from kvtier.ab.report import (
@@ -141,6 +141,9 @@ def regime_table(name: str, run: Run) -> str:
     link = link_table(results, meta, read_anchor(run.path))
     if link:  # the D->P link as the run's reads saw it, beside a device copy
         out += ["", *link]
+    peer = peer_fetch_table(results)
+    if peer:  # the peer fetches as their readers timed them
+        out += ["", *peer]
     for k, a in (meta.get("adaptive") or {}).items():
         out += ["", f"{k}: TTL {a.get('decode_ttl_s')} s; {a.get('ttl_choice', '')}"]
     return "\n".join(out)

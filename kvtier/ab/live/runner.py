@@ -152,6 +152,7 @@ from kvtier.ab.traces import ConversationSpec, Trace, token_ids
 from kvtier.devstack.placement import SPINNER_NICE
 from kvtier.devstack.stack import LocalStack
 from kvtier.router.config import RouterConfig
+from kvtier.tier.accounting import PEER_PHASES
 from kvtier.wire.reuse_headers import ReuseReport
 
 if TYPE_CHECKING:
@@ -298,6 +299,8 @@ class Target:
     prefill_urls: list[str]
     router_log: RouterLog | None = None
     direct: bool = False  # ``url`` is one engine, not a router (one engine per strategy)
+    # (instance, its host tier's metrics page) per host tier: peer fetches read from them
+    tier_pages: list[tuple[str, str]] = field(default_factory=list)
     stack_is_ours: bool = True  # started by this process (its CPU is not foreign: meta cpu)
 
 
@@ -361,7 +364,9 @@ def _run_on(spec: StrategySpec, trace: Trace, opts: RunOptions, stack: LocalStac
                                               stack.spec.kv_transfer_config),
             host_bytes=host_bytes, instances=[d["name"] for d in stack.describe()],
             topology=f"{len(stack.prefill)}P{len(stack.decode)}D",
-            prefill_urls=[i.url for i in stack.prefill], router_log=rlog)
+            prefill_urls=[i.url for i in stack.prefill], router_log=rlog,
+            tier_pages=[(i.spec.name, f"http://127.0.0.1:{i.spec.tier_metrics_port}")
+                        for i in stack.instances] if spec.host_tier else [])
         res = _replay(spec, trace, opts, target, http)
         res.meta["services"] = {n: s.describe() for n, s in services.items()}
         for name, svc in services.items():
@@ -396,6 +401,7 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
     rec_lock = threading.Lock()
     stop = threading.Event()
     xfer0 = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum") for u in target.prefill_urls)
+    peer0 = peer_fetches(http, target.tier_pages)
     total = sum(len(c.turns) for c in trace.conversations)
     bar = _bar(total, spec.name, opts.progress)
     cpu0 = cpu.snapshot()
@@ -500,6 +506,8 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
     xfer = sum(scrape(http, u, "vllm:nixl_xfer_time_seconds_sum")
                for u in target.prefill_urls) - xfer0
     split_transfer(records, xfer)
+    peer = {pod: {k: v - peer0[pod].get(k, 0.0) for k, v in d.items()}
+            for pod, d in peer_fetches(http, target.tier_pages).items() if pod in peer0}
     records.sort(key=lambda r: (r.t_start, r.conversation_id, r.turn))
     if target.direct:
         source = "none (one engine per strategy: no decode node)"
@@ -515,6 +523,8 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
         "device_blocks_source": source, "ledger_samples_capped": capped[0]}
     if cpu_used is not None:
         meta["cpu"] = cpu_used
+    if peer:
+        meta["peer_fetch"] = peer
     if spec.leases and rlog is not None:
         rs = spec.router_settings()
         meta["router_retention"] = {k: rs[k] for k in ("retention", "host_copy",
@@ -532,6 +542,24 @@ def _replay(spec: StrategySpec, trace: Trace, opts: RunOptions, target: Target,
     elif own.urls:
         meta["device_blocks_source"] = f"{source} (decode metrics not readable)"
     return RunResult(spec.name, records, memory, meta)
+
+
+def peer_fetches(http: httpx.Client, pages: list[tuple[str, str]]) -> dict[str, dict[str, float]]:
+    """Each readable host tier's peer fetches so far: ``{instance: {"fetches": n, phase:
+    seconds, ...}}`` (``kvtier_tier_peer_fetches_total``, ``..._peer_fetch_seconds_total``)."""
+    out: dict[str, dict[str, float]] = {}
+    for pod, url in pages:
+        text = page(http, url)
+        if text is None:
+            continue
+        try:
+            d = {"fetches": metric(text, "kvtier_tier_peer_fetches_total")}
+            for phase in PEER_PHASES:
+                d[phase] = metric(text, "kvtier_tier_peer_fetch_seconds_total", {"phase": phase})
+        except ValueError:  # a malformed page: this tier's fetches are not reported
+            continue
+        out[pod] = d
+    return out
 
 
 # The router's own counts of what went wrong during a run: a turn served by a fallback is
