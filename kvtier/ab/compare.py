@@ -11,7 +11,9 @@
 - ``pairwise(results)``: ``paired_ttft`` for every ordered pair in report order;
 - ``same_path(a, b)``: ``paired_ttft`` over only the turns both took by the same reuse path
   (device read, peer or local host read, recompute), one per path: what separates two
-  strategies when their choices agree (their engines' configuration, their routers' steps).
+  strategies when their choices agree (their engines' configuration, their routers' steps);
+- ``path_pairs(a, b)``: the same over every (``a``'s path, ``b``'s path) cell, with each side's
+  median reused tokens: which of ``a``'s choices against ``b``'s make the overall ratio.
 
 Every verdict comes from an interval (``kvtier.ab.stats``), never from two point estimates.
 
@@ -20,10 +22,11 @@ Threading model: pure functions.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.ab.records import RunResult
+from kvtier.ab.records import RunResult, TurnRecord
 from kvtier.ab.stats import (
     Interval,
     Verdict,
@@ -82,6 +85,52 @@ def same_path(a: RunResult, b: RunResult) -> list[tuple[str, Paired]]:
         if pb.get(k) == t.reuse_path:
             by.setdefault(str(t.reuse_path), []).append(k)
     return [(path, paired_ttft(a, b, keys)) for path, keys in sorted(by.items())]
+
+
+@dataclass(frozen=True)
+class PathPair:
+    """Turns ``a`` took by ``path_a`` and ``b`` by ``path_b``: their paired TTFT ratio and
+    each side's median reused tokens."""
+
+    path_a: str
+    path_b: str
+    paired: Paired
+    reused_a: float
+    reused_b: float
+
+
+def path_pairs(a: RunResult, b: RunResult) -> list[PathPair]:
+    """Every turn both completed (same conversation, turn and repeat), grouped by the path
+    each took: where ``same_path`` keeps the diagonal, this keeps every cell, most pairs
+    first, so a gap can be traced to the choices (or block granularity) behind it."""
+    tb = {(t.conversation_id, t.turn): t for t in b.ok_turns}
+    by: dict[tuple[str, str], list[tuple[TurnRecord, TurnRecord]]] = {}
+    for t in a.ok_turns:
+        u = tb.get((t.conversation_id, t.turn))
+        if u is not None:
+            by.setdefault((str(t.reuse_path), str(u.reuse_path)), []).append((t, u))
+    out = []
+    for (pa, pb), tu in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        keys = [(t.conversation_id, t.turn) for t, _ in tu]
+        out.append(PathPair(pa, pb, paired_ttft(a, b, keys),
+                            statistics.median(t.reused_tokens for t, _ in tu),
+                            statistics.median(u.reused_tokens for _, u in tu)))
+    return out
+
+
+def path_pairs_markdown(results: Sequence[RunResult], b: str | None,
+                        a: str = "tiered-adaptive") -> str:
+    """``path_pairs`` of ``a`` against ``b`` as a table ("" when either is missing)."""
+    by = {r.strategy: r for r in results}
+    if b is None or a not in by or b not in by or a == b:
+        return ""
+    lines = [f"| {a} took | {b} took | pairs | median TTFT {a}/{b} [95% CI] | verdict for {a} "
+             f"| median reused tokens, {a} / {b} |", "|---|---|---|---|---|---|"]
+    for pp in path_pairs(by[a], by[b]):
+        lines.append(f"| {pp.path_a} | {pp.path_b} | {pp.paired.ratio.n} | "
+                     f"{pp.paired.ratio.fmt(1, 3)} | {_verdict_cell(pp.paired)} | "
+                     f"{pp.reused_a:.0f} / {pp.reused_b:.0f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def per_repeat(r: RunResult, key: str) -> list[float]:

@@ -33,6 +33,7 @@ from kvtier.ab.compare import (
     intervals_markdown,
     pairwise,
     pairwise_markdown,
+    path_pairs_markdown,
     same_path_markdown,
     strategy_intervals,
 )
@@ -40,7 +41,7 @@ from kvtier.ab.link import link_section, peer_fetch_table, read_anchor
 from kvtier.ab.rawdoc import write_raw
 from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
 from kvtier.ab.stats import at_most, first_bucket_bound
-from kvtier.ab.targets import evaluate_run
+from kvtier.ab.targets import best_single, evaluate_run
 from kvtier.ab.targets import markdown as targets_markdown
 from kvtier.runtime import cpu_info
 
@@ -418,6 +419,14 @@ def markdown(results: Sequence[RunResult], meta: dict, sim_error: dict | None = 
                   "took the same reuse path (`kvtier.ab.compare.same_path`): where their choices "
                   "agree, what is left is the cost of the strategy's configuration (its engines' "
                   "connectors, its router's steps), not of its choices.", "", same, ""]
+    best = best_single(results)
+    cells = path_pairs_markdown(results, best)
+    if cells:
+        lines += [f"## tiered-adaptive against {best}, by the path each took", "",
+                  "Paired per-turn TTFT ratios against the fixed strategy with the lowest "
+                  "median TTFT, over every turn both completed, one row per pair of paths "
+                  "(`kvtier.ab.compare.path_pairs`), with each side's median reused tokens.",
+                  "", cells, ""]
     lines += _switches_section(results)
     lines += _refusal_table(results)
     lines += _hold_section(results)

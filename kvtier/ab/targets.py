@@ -253,6 +253,13 @@ def evaluate(results: Sequence[RunResult], decode_blocks: int | None = None,
     return out
 
 
+def best_single(results: Sequence[RunResult]) -> str | None:
+    """The fixed strategy the median-TTFT target compares tiered-adaptive with (the lowest
+    median TTFT among those with completed turns), or None without one."""
+    singles = {r.strategy: r for r in results if r.strategy != ADAPTIVE and r.ok_turns}
+    return _best(singles, "ttft_p50_s") if singles else None
+
+
 def evaluate_run(results: Sequence[RunResult], meta: dict) -> list[Target]:
     """``evaluate`` with what a run's ``meta`` says: its decode capacity and failed strategies."""
     return evaluate(results, decode_capacity(meta), list(meta.get("failed_strategies") or ()))

@@ -43,6 +43,7 @@ from kvtier.ab.compare import (
     intervals_markdown,
     pairwise,
     pairwise_markdown,
+    path_pairs_markdown,
     same_path_markdown,
     strategy_intervals,
 )
@@ -58,7 +59,7 @@ from kvtier.ab.report import (
     markdown,
     simulation_error,
 )
-from kvtier.ab.targets import ADAPTIVE, Target, evaluate, evaluate_run
+from kvtier.ab.targets import ADAPTIVE, Target, best_single, evaluate, evaluate_run
 from kvtier.ab.targets import markdown as targets_markdown
 
 DOCS = ("AB.md", "../README.md")
@@ -136,6 +137,9 @@ def regime_table(name: str, run: Run) -> str:
     same = same_path_markdown(results)
     if same:  # tiered-adaptive against each strategy, on the turns both took the same way
         out += [same, ""]
+    cells = path_pairs_markdown(results, best_single(results))
+    if cells:  # ... and against the best fixed strategy, by the path each took
+        out += [cells, ""]
     out += [load_table(results), "", targets_markdown(run.targets()), "",
             f"Foreign CPU (other work on the machine), worst run: {foreign_worst(results)}."]
     link = link_table(results, meta, read_anchor(run.path))
