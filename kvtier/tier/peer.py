@@ -213,8 +213,9 @@ class PeerClient:
         """Send ``msg`` without waiting for its Ack (read by the next call to this peer).
 
         The reader needs nothing from the Ack, and the source's ``PeerServer`` shares its
-        process, and the GIL, with a busy engine, so a reply can wait a switch interval
-        (5 ms) for the GIL: waiting for it would add that to every pulled turn's TTFT."""
+        process, and the GIL, with a busy engine, so a reply can wait for the GIL (up to the
+        interpreter's switch interval, 5 ms by default; the ``hold`` phase of a fetch is the
+        same kind of round trip): waiting for it would add that to every pulled turn."""
         sock = self._socket(endpoint)
         try:
             sock.send(encode(msg), zmq.NOBLOCK)
