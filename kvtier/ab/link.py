@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.ab.records import RunResult
+from kvtier.ab.records import RunResult, repeat_meta
 from kvtier.ids import ReusePath
 from kvtier.tier.accounting import PEER_PHASES
 
@@ -120,9 +120,8 @@ def peer_fetch_table(results: Sequence[RunResult]) -> list[str]:
     and the mean milliseconds each phase took in the reader ([] when no strategy fetched)."""
     rows = []
     for r in results:
-        parts = r.meta.get("peer_fetch") or []
         totals: dict[str, dict[str, float]] = {}
-        for part in parts if isinstance(parts, list) else [parts]:  # one per repeat
+        for part in repeat_meta(r, "peer_fetch"):
             for pod, d in (part or {}).items():
                 t = totals.setdefault(pod, {})
                 for k, v in d.items():

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -260,6 +261,15 @@ class RunResult(msgspec.Struct):
 
 
 REPEAT_GAP_S = 1.0  # between repeats on the merged time axis, so no two share an instant
+
+
+def repeat_meta(r: RunResult, key: str) -> list[Any]:
+    """``r.meta[key]`` of each repeat: ``merge_repeats`` keeps a list of them, a single run
+    has its one value ([] when the run has none)."""
+    v = r.meta.get(key)
+    if v is None:
+        return []
+    return v if isinstance(v, list) else [v]
 
 
 def merge_repeats(runs: Sequence[RunResult]) -> RunResult:

@@ -39,7 +39,7 @@ from kvtier.ab.compare import (
 )
 from kvtier.ab.link import link_section, peer_fetch_table, read_anchor
 from kvtier.ab.rawdoc import write_raw
-from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord
+from kvtier.ab.records import DEFAULT_BUCKETS, REUSE_PATHS, RunResult, TurnRecord, repeat_meta
 from kvtier.ab.stats import at_most, first_bucket_bound
 from kvtier.ab.targets import best_single, evaluate_run
 from kvtier.ab.targets import markdown as targets_markdown
@@ -629,13 +629,9 @@ def _stalls_section(results: Sequence[RunResult]) -> list[str]:
     none. [] for runs that did not start their router (running stacks, older reports)."""
     rows = []
     for r in results:
-        stalls, services = r.meta.get("router_stalls"), r.meta.get("services")
-        if stalls is None:
-            continue
-        if isinstance(stalls, dict):
-            stalls, services = [stalls], [services]
+        stalls, services = repeat_meta(r, "router_stalls"), repeat_meta(r, "services")
         for i, st in enumerate(stalls):
-            svc = services[i] if isinstance(services, list) and i < len(services) else None
+            svc = services[i] if i < len(services) else None
             router = (svc or {}).get("router") or {}
             warnings = "; ".join((st or {}).get("warnings") or []) or "–"
             rows.append(f"| {r.strategy} | {i + 1} | {router.get('pid', '?')} | "
@@ -655,10 +651,7 @@ def cpu_records(results: Sequence[RunResult]) -> list[tuple[str, int, dict[str, 
     """(strategy, repeat, ``meta["cpu"]`` or None) of every run that has the key."""
     out = []
     for r in results:
-        per = r.meta.get("cpu")
-        if per is None:
-            continue
-        for i, c in enumerate(per if isinstance(per, list) else [per]):
+        for i, c in enumerate(repeat_meta(r, "cpu")):
             out.append((r.strategy, i + 1, c or None))
     return out
 
